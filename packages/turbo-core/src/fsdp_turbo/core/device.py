@@ -1,0 +1,99 @@
+"""The one device layer: which accelerator, which backend, streams and pinned memory.
+
+``torch_npu`` is imported here lazily, and only when the NPU is asked for, so
+import never breaks on machines without it. CPU gets no-op streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+from fsdp_turbo.core.errors import ConfigError
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+DEVICE_ENV = "FSDP_TURBO_DEVICE"
+
+
+def _load_npu() -> bool:
+    try:
+        importlib.import_module("torch_npu")
+    except ImportError:
+        return False
+    return True
+
+
+def detect_device_type(requested: str | None = None) -> str:
+    """``requested``, else ``$FSDP_TURBO_DEVICE``, else the current accelerator, else cpu."""
+    choice = requested or os.environ.get(DEVICE_ENV) or None
+    if choice is not None:
+        choice = choice.lower()
+        if choice not in BACKENDS:
+            raise ConfigError("device_type", choice, f"use one of {sorted(BACKENDS)}")
+        if choice == "npu" and not _load_npu():
+            raise ConfigError("device_type", "npu", "pip install 'turbo-core[npu]' (torch_npu)",
+                              reason="torch_npu is not installed")
+        return choice
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return accelerator.type if accelerator is not None else "cpu"
+
+
+def backend_for(device_type: str) -> str:
+    return BACKENDS.get(device_type, "gloo")
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def current_device(device_type: str) -> torch.device:
+    """The device this process computes on; sets the accelerator index from LOCAL_RANK."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    index = local_rank() % max(torch.accelerator.device_count(), 1)
+    torch.accelerator.set_device_index(index)
+    return torch.device(device_type, index)
+
+
+def has_streams(device_type: str) -> bool:
+    return device_type != "cpu"
+
+
+def new_stream(device_type: str) -> torch.Stream | None:
+    """A side stream on accelerators; ``None`` on CPU, where work is synchronous."""
+    if not has_streams(device_type):
+        return None
+    return torch.Stream(device=current_device(device_type))
+
+
+@contextlib.contextmanager
+def stream_context(stream: torch.Stream | None) -> Iterator[None]:
+    if stream is None:
+        yield
+        return
+    with stream:
+        yield
+
+
+def pinned_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device_type: str) -> torch.Tensor:
+    """A host buffer, pinned where the device can copy from pinned memory asynchronously."""
+    return torch.empty(shape, dtype=dtype, pin_memory=has_streams(device_type))
+
+
+def synchronize(device_type: str) -> None:
+    if device_type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def max_memory_allocated(device_type: str) -> int:
+    """Peak device bytes since the last reset; 0 on CPU (use MemTracker there)."""
+    return 0 if device_type == "cpu" else torch.accelerator.max_memory_allocated()
+
+
+def reset_peak_memory(device_type: str) -> None:
+    if device_type != "cpu":
+        torch.accelerator.reset_peak_memory_stats()

@@ -1,0 +1,211 @@
+"""Parallel sizes, rank coordinates and device meshes.
+
+Sizes and coordinates are pure arithmetic on the world size and the rank, so
+they can be validated on every rank before any collective. The device meshes
+(which create process groups) are built lazily, on first use, after validation.
+
+Dense mesh ``(dp_replicate, fsdp, cp, tp)`` and expert mesh ``(edp, efsdp, ep)``
+both span the whole world in row-major rank order; the expert mesh borrows the
+ranks of the dense one, as torchtitan does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from fsdp_turbo.core.errors import ConfigError
+
+DENSE_DIMS = ("dp_replicate", "fsdp", "cp", "tp")
+EXPERT_DIMS = ("edp", "efsdp", "ep")
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    world: int
+    dp_replicate: int
+    fsdp: int
+    cp: int
+    tp: int
+    edp: int
+    efsdp: int
+    ep: int
+
+    @property
+    def dense_shape(self) -> tuple[int, ...]:
+        return (self.dp_replicate, self.fsdp, self.cp, self.tp)
+
+    @property
+    def expert_shape(self) -> tuple[int, ...]:
+        return (self.edp, self.efsdp, self.ep)
+
+    @property
+    def dp(self) -> int:
+        """Distinct data shards: replicate x shard."""
+        return self.dp_replicate * self.fsdp
+
+
+def resolve_parallel_sizes(
+    *,
+    world_size: int,
+    data_parallel_size: int = 1,
+    fully_shard_parallel_size: int = -1,
+    context_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
+    expert_fully_shard_parallel_size: int | None = None,
+) -> ParallelSizes:
+    """Resolve ``-1``/``None`` sizes and check that they tile ``world_size`` exactly."""
+    if world_size < 1:
+        raise ConfigError("world_size", world_size, "launch at least one process")
+    others = data_parallel_size * context_parallel_size * tensor_parallel_size
+    launch = "launch with torchrun --nproc-per-node N, or change the sizes"
+    if fully_shard_parallel_size == -1:
+        if world_size % others:
+            raise ConfigError(
+                "data_parallel_size*context_parallel_size*tensor_parallel_size", others,
+                f"make it divide the world size {world_size}", reason="it does not divide the world size")
+        fsdp = world_size // others
+    else:
+        fsdp = fully_shard_parallel_size
+        if others * fsdp != world_size:
+            raise ConfigError(
+                "fully_shard_parallel_size", fsdp,
+                f"use fully_shard_parallel_size={world_size // others if world_size % others == 0 else -1} "
+                f"or -1 to infer it; {launch}",
+                reason=(f"data_parallel_size({data_parallel_size}) x fully_shard_parallel_size({fsdp}) x "
+                        f"context_parallel_size({context_parallel_size}) x tensor_parallel_size("
+                        f"{tensor_parallel_size}) = {others * fsdp}, but the world size is {world_size}"))
+    ep = expert_parallel_size
+    if world_size % ep:
+        raise ConfigError("expert_parallel_size", ep, f"use a divisor of the world size {world_size}",
+                          reason="it does not divide the world size")
+    if expert_fully_shard_parallel_size is None:
+        edp = math.gcd(data_parallel_size, world_size // ep)
+        efsdp = world_size // (edp * ep)
+    else:
+        efsdp = expert_fully_shard_parallel_size
+        if world_size % (efsdp * ep):
+            raise ConfigError("expert_fully_shard_parallel_size", efsdp,
+                              f"make expert_fully_shard_parallel_size x expert_parallel_size({ep}) divide "
+                              f"the world size {world_size}, or leave it unset to derive it")
+        edp = world_size // (efsdp * ep)
+    return ParallelSizes(world_size, data_parallel_size, fsdp, context_parallel_size,
+                         tensor_parallel_size, edp, efsdp, ep)
+
+
+def _coordinates(rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    coords = []
+    for size in reversed(shape):
+        coords.append(rank % size)
+        rank //= size
+    return tuple(reversed(coords))
+
+
+class ParallelState:
+    """Which slice of every parallel dimension this rank holds, plus its meshes.
+
+    Build it with :meth:`create`. A world of one with no process group has no
+    meshes at all: every size is 1 and every rank is 0.
+    """
+
+    def __init__(self, sizes: ParallelSizes, rank: int, device_type: str, distributed: bool) -> None:
+        self.sizes = sizes
+        self.rank = rank
+        self.device_type = device_type
+        self.distributed = distributed
+        dense = dict(zip(DENSE_DIMS, _coordinates(rank, sizes.dense_shape), strict=True))
+        expert = dict(zip(EXPERT_DIMS, _coordinates(rank, sizes.expert_shape), strict=True))
+        self.coordinates: dict[str, int] = {**dense, **expert}
+
+    @classmethod
+    def create(cls, sizes: ParallelSizes, rank: int, device_type: str) -> ParallelState:
+        import torch.distributed as dist
+
+        return cls(sizes, rank, device_type, distributed=dist.is_available() and dist.is_initialized())
+
+    # ----- sizes and ranks ---------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.sizes.world
+
+    @property
+    def dp_size(self) -> int:
+        """How many distinct data shards the job feeds (replicate x shard)."""
+        return self.sizes.dp
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data shard this rank feeds; CP and TP peers feed the same one."""
+        return self.coordinates["dp_replicate"] * self.sizes.fsdp + self.coordinates["fsdp"]
+
+    dp_replicate_size = property(lambda self: self.sizes.dp_replicate)
+    dp_replicate_rank = property(lambda self: self.coordinates["dp_replicate"])
+    fsdp_size = property(lambda self: self.sizes.fsdp)
+    fsdp_rank = property(lambda self: self.coordinates["fsdp"])
+    cp_size = property(lambda self: self.sizes.cp)
+    cp_rank = property(lambda self: self.coordinates["cp"])
+    tp_size = property(lambda self: self.sizes.tp)
+    tp_rank = property(lambda self: self.coordinates["tp"])
+    ep_size = property(lambda self: self.sizes.ep)
+    ep_rank = property(lambda self: self.coordinates["ep"])
+    edp_size = property(lambda self: self.sizes.edp)
+    efsdp_size = property(lambda self: self.sizes.efsdp)
+
+    # ----- meshes -----------------------------------------------------------------------------
+    @cached_property
+    def dense_mesh(self):
+        return self._init_mesh(self.sizes.dense_shape, DENSE_DIMS)
+
+    @cached_property
+    def expert_mesh(self):
+        return self._init_mesh(self.sizes.expert_shape, EXPERT_DIMS)
+
+    def _init_mesh(self, shape: tuple[int, ...], names: tuple[str, ...]):
+        if not self.distributed:
+            raise RuntimeError("no process group is initialised, so there is no device mesh")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+
+    def mesh(self, *names: str):
+        """The submesh over ``names`` (dense or expert dims), e.g. ``mesh('tp')``.
+
+        Several dims are flattened into one when ``flatten=True`` is not wanted; use
+        :meth:`flat_mesh` for that.
+        """
+        source = self.expert_mesh if set(names) <= set(EXPERT_DIMS) else self.dense_mesh
+        unknown = set(names) - set(DENSE_DIMS) - set(EXPERT_DIMS)
+        if unknown or not (set(names) <= set(DENSE_DIMS) or set(names) <= set(EXPERT_DIMS)):
+            raise KeyError(f"unknown or mixed mesh dims {names}; use dims of {DENSE_DIMS} or {EXPERT_DIMS}")
+        return source[names if len(names) > 1 else names[0]]
+
+    def flat_mesh(self, *names: str):
+        """A 1-D mesh over the product of ``names`` (e.g. ``flat_mesh('fsdp', 'cp')``)."""
+        if len(names) == 1:
+            return self.mesh(names[0])
+        return self.mesh(*names)._flatten("_".join(names))
+
+    def fsdp_mesh(self):
+        """The mesh FSDP2 shards over: (dp_replicate, fsdp x cp) for HSDP, else 1-D."""
+        shard = self.flat_mesh("fsdp", "cp") if self.sizes.cp > 1 else self.mesh("fsdp")
+        if self.sizes.dp_replicate == 1:
+            return shard
+        if self.sizes.cp == 1:
+            return self.mesh("dp_replicate", "fsdp")
+        raise NotImplementedError("HSDP together with context parallel is built with the CP transform")
+
+    def group(self, *names: str) -> torch.distributed.ProcessGroup:
+        """The process group spanning ``names`` (flattened when several)."""
+        return self.flat_mesh(*names).get_group()
+
+    def describe(self) -> str:
+        dense = " ".join(f"{n}={s}" for n, s in zip(DENSE_DIMS, self.sizes.dense_shape, strict=True))
+        expert = " ".join(f"{n}={s}" for n, s in zip(EXPERT_DIMS, self.sizes.expert_shape, strict=True))
+        return f"world={self.world_size} [{dense}] experts[{expert}]"
+
+    def __repr__(self) -> str:
+        return f"ParallelState(rank={self.rank}, {self.describe()}, coords={self.coordinates})"

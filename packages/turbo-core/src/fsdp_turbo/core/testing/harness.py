@@ -1,0 +1,187 @@
+"""Spawn N ranks on gloo, gather their results, and never hang."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+_POLL_S = 0.05
+_GRACE_S = 15.0
+# Ranks fork from a server that imported these once, so a 4-rank test does not pay
+# four imports of torch and transformers. Missing modules are skipped silently.
+PRELOAD = (
+    "torch",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen3.modeling_qwen3",
+)
+_context: mp.context.BaseContext | None = None
+
+
+def _mp_context() -> mp.context.BaseContext:
+    global _context
+    if _context is None:
+        # forkserver: a clean single-threaded parent for every rank (unlike fork after
+        # OpenMP or store threads started), without spawn's cold imports.
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(list(PRELOAD))
+    return _context
+
+
+class RankFailure(RuntimeError):
+    """A rank died without a picklable exception (or was killed)."""
+
+
+@dataclass
+class _Outcome:
+    ok: bool
+    value: Any = None
+    traceback: str = ""
+
+
+class _RemoteTraceback(Exception):
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+
+    def __str__(self) -> str:
+        return "\n" + self.args[0]
+
+
+def _worker(rank: int, world_size: int, port: int | None, backend: str, num_threads: int,
+            fn: Callable[..., Any], args: tuple, kwargs: dict, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")
+    if port is not None:
+        os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(num_threads)
+    try:
+        if port is not None:
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        outcome = _Outcome(True, fn(*args, **kwargs))
+    except BaseException as error:  # noqa: BLE001 - everything must reach the parent
+        outcome = _Outcome(False, error, traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    try:
+        payload = pickle.dumps(outcome)
+    except Exception:  # noqa: BLE001 - an unpicklable error still reaches the parent as text
+        payload = pickle.dumps(_Outcome(False, RankFailure(repr(outcome.value)), outcome.traceback))
+    tmp = os.path.join(out_dir, f"{rank}.tmp")
+    with open(tmp, "wb") as handle:
+        handle.write(payload)
+    os.replace(tmp, os.path.join(out_dir, f"{rank}.pkl"))
+
+
+def _read(out_dir: str, rank: int) -> _Outcome | None:
+    path = os.path.join(out_dir, f"{rank}.pkl")
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as handle:
+        return pickle.load(handle)  # noqa: S301 - written by our own child process
+
+
+def _raise_from(rank: int, world_size: int, outcome: _Outcome) -> None:
+    error = outcome.value
+    if not isinstance(error, BaseException):
+        error = RankFailure(repr(error))
+    error.add_note(f"(raised on rank {rank} of {world_size})")
+    raise error from _RemoteTraceback(outcome.traceback)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    backend: str = "gloo",
+    init_process_group: bool = True,
+    num_threads: int = 1,
+    return_exceptions: bool = False,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return their results by rank.
+
+    ``fn`` must be importable by name (a module-level function). A rank's error is
+    re-raised here with its remote traceback; the others are then stopped. With
+    ``return_exceptions=True`` the per-rank exceptions are returned instead, so a
+    test can check that every rank raised the same error. Exceeding ``timeout``
+    kills every rank and raises ``TimeoutError``.
+    """
+    import torch.distributed as dist
+
+    store = None
+    port = None
+    if init_process_group:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+        port = store.port
+    out_dir = tempfile.mkdtemp(prefix="fsdp_turbo_ranks_")
+    ctx = _mp_context()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, backend, num_threads, fn, args, kwargs, out_dir),
+                    name=f"fsdp-turbo-rank{rank}")
+        for rank in range(world_size)
+    ]
+    try:
+        for proc in procs:
+            proc.start()
+        outcomes = _collect(procs, out_dir, timeout, return_exceptions)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        del store
+    return [o.value for o in outcomes]
+
+
+def _collect(procs: list, out_dir: str, timeout: float, return_exceptions: bool) -> list[_Outcome]:
+    world_size = len(procs)
+    outcomes: dict[int, _Outcome] = {}
+    first_failure: int | None = None
+    deadline = time.monotonic() + timeout
+    while len(outcomes) < world_size:
+        for rank, proc in enumerate(procs):
+            if rank in outcomes:
+                continue
+            outcome = _read(out_dir, rank)
+            if outcome is None and not proc.is_alive():
+                outcome = _read(out_dir, rank) or _Outcome(
+                    False, RankFailure(f"rank {rank} exited with code {proc.exitcode} and no result"))
+            if outcome is not None:
+                outcomes[rank] = outcome
+                if not outcome.ok and first_failure is None:
+                    first_failure = rank
+                    if not return_exceptions:
+                        deadline = min(deadline, time.monotonic() + _GRACE_S)
+        if len(outcomes) == world_size:
+            break
+        if time.monotonic() > deadline:
+            if first_failure is not None:
+                break
+            missing = [r for r in range(world_size) if r not in outcomes]
+            raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s")
+        time.sleep(_POLL_S)
+    if first_failure is not None and not return_exceptions:
+        _raise_from(first_failure, world_size, outcomes[first_failure])
+    return [outcomes[rank] for rank in range(world_size)]
+
+
+def run_reference(fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kwargs: Any) -> Any:
+    """Run ``fn`` in one fresh process with no process group: the parity reference."""
+    return run_distributed(fn, 1, *args, timeout=timeout, init_process_group=False, **kwargs)[0]

@@ -1,0 +1,118 @@
+"""The facade: ``model = FSDPTurbo(config, model)``.
+
+It validates everything on every rank before any collective, then applies the
+enabled transforms in pipeline order, in place. The returned module is the
+user's own model (same forward, attributes, parameter names and state_dict
+keys), with ``model.parallel_state`` attached.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_turbo.core.device import backend_for, current_device, detect_device_type
+from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.features import Feature, requested_features
+from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.model_inspect import attention_heads
+from fsdp_turbo.core.parallel_state import ParallelSizes, ParallelState
+from fsdp_turbo.core.plugin import Transform, TransformRegistry, registry
+from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
+
+__all__ = ["FSDPTurbo", "plan_transforms"]
+
+M = TypeVar("M", bound=nn.Module)
+_log = get_logger(__name__)
+
+
+def _as_config(config: FSDPTurboConfig | Mapping[str, Any] | str | Path) -> FSDPTurboConfig:
+    if isinstance(config, FSDPTurboConfig):
+        return config
+    if isinstance(config, Mapping):
+        return FSDPTurboConfig.from_dict(dict(config))
+    if isinstance(config, str | Path):
+        return FSDPTurboConfig.from_file(config)
+    raise ConfigError("config", type(config).__name__, "pass an FSDPTurboConfig, a dict, or a YAML/TOML path")
+
+
+def _world_and_rank() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+
+
+def _check_model_shape(model: nn.Module, sizes: ParallelSizes) -> None:
+    heads, kv_heads = attention_heads(model)
+    split = sizes.tp * sizes.cp
+    if heads is not None and split > 1 and heads % split:
+        raise ConfigError("tensor_parallel_size*context_parallel_size", split,
+                          f"use sizes whose product divides num_attention_heads={heads}",
+                          reason=f"the model has {heads} attention heads ({kv_heads} key/value heads)")
+
+
+def _installed_version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def _missing_feature_error(feature: Feature, config: FSDPTurboConfig) -> ConfigError:
+    installed = _installed_version(feature.package)
+    if installed is None:
+        fix = f"pip install {feature.package} (it provides the {feature.transform!r} transform)"
+        reason = f"{feature.package} is not installed"
+    else:
+        fix = f"upgrade {feature.package} to a release that provides {feature.transform!r}, or turn the feature off"
+        reason = f"{feature.package} {installed} is installed but has no {feature.transform!r} transform"
+    return ConfigError(feature.switch, getattr(config, feature.switch), fix, reason=reason)
+
+
+def plan_transforms(config: FSDPTurboConfig, model: nn.Module, state: ParallelState,
+                    transforms: TransformRegistry = registry) -> list[Transform]:
+    """Validate everything and return the transforms to apply, in order. No collectives."""
+    _check_model_shape(model, state.sizes)
+    for feature in requested_features(config, state.sizes):
+        if transforms.get(feature.transform) is None:
+            raise _missing_feature_error(feature, config)
+    enabled = [t for t in transforms.all() if t.is_enabled(config, state)]
+    for transform in enabled:
+        transform.validate(config, model, state)
+    return enabled
+
+
+def _ensure_process_group(state: ParallelState) -> None:
+    if state.world_size == 1 or state.distributed:
+        return
+    device = current_device(state.device_type)
+    dist.init_process_group(backend=backend_for(state.device_type),
+                            device_id=device if device.type != "cpu" else None)
+    state.distributed = True
+
+
+def FSDPTurbo(config: FSDPTurboConfig | Mapping[str, Any] | str | Path, model: M) -> M:  # noqa: N802 - seed API
+    """Apply the configured parallelism, memory and quantization features to ``model``.
+
+    Runs in a plain single process when every size is 1; under ``torchrun`` it
+    initialises the process group itself if the caller has not.
+    """
+    config = _as_config(config)
+    world_size, rank = _world_and_rank()
+    sizes = config.validate(world_size)
+    state = ParallelState.create(sizes, rank, detect_device_type(config.device_type))
+    transforms = plan_transforms(config, model, state)
+    _ensure_process_group(state)
+    for transform in transforms:
+        _log.info(f"applying {transform.name}")
+        model = transform.apply(model, config, state)
+    model.parallel_state = state
+    model.fsdp_turbo_config = config
+    _log.info(f"FSDPTurbo ready: {state.describe()}; transforms={[t.name for t in transforms]}")
+    return model

@@ -1,0 +1,358 @@
+"""FSDPTurbo's configuration: flat dataclasses in the seed's field names.
+
+Every field is validated when the object is built; the objects are read-only
+afterwards. World-size checks run in ``FSDPTurboConfig.validate(world_size)``,
+before any collective. Configs load from a dict, a YAML file or a TOML file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from fsdp_turbo.core.dtypes import dtype_name, parse_dtype
+from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.parallel_state import ParallelSizes, resolve_parallel_sizes
+from fsdp_turbo.core.validation import (
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    check_optional_patterns,
+    check_patterns,
+)
+
+__all__ = [
+    "CPPlanConfig",
+    "ChunkLossPlanConfig",
+    "ConfigError",
+    "EPPlanConfig",
+    "FSDPPlanConfig",
+    "FSDPTurboConfig",
+    "QuantizeConfig",
+    "TPPlanConfig",
+]
+
+QUANT_FORMATS = ("E4M3", "E5M2", "HIF8")
+SCALE_MODES = ("floor", "rceil")
+DISPATCHERS = ("eager", "fused", "mc2")
+RECOMPUTE_POLICIES = ("full", "selective")
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    # Frozen dataclasses normalise their own fields once, in __post_init__.
+    object.__setattr__(obj, name, value)
+
+
+class _ConfigBase:
+    """Shared dict conversion for the config dataclasses."""
+
+    _nested: ClassVar[dict[str, type]] = {}
+    _prefix: ClassVar[str] = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, *, prefix: str | None = None):
+        prefix = cls._prefix if prefix is None else prefix
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(prefix or cls.__name__, data, "use a mapping of field names to values")
+        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - known)
+        if unknown:
+            where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+            raise ConfigError(where, data[unknown[0]], f"remove it; known fields are {sorted(known)}",
+                              reason="unknown field")
+        kwargs = dict(data)
+        for name, nested in cls._nested.items():
+            if isinstance(kwargs.get(name), dict):
+                kwargs[name] = nested.from_dict(kwargs[name], prefix=name)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, _ConfigBase):
+                value = value.to_dict()
+            elif isinstance(value, torch.dtype):
+                value = dtype_name(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+
+@dataclass(frozen=True)
+class FSDPPlanConfig(_ConfigBase):
+    """How FSDP2 (``fully_shard``) wraps the model.
+
+    ``apply_modules`` picks the FSDP units (outermost matches); ``None`` means each
+    block of the model's repeated block list, e.g. the decoder layers. The root is
+    always wrapped last.
+    """
+
+    _prefix: ClassVar[str] = "fsdp_plan"
+
+    apply_modules: tuple[str, ...] | None = None
+    ignored_modules: tuple[str, ...] = ()
+    param_dtype: torch.dtype | str | None = None
+    reduce_dtype: torch.dtype | str | None = None
+    output_dtype: torch.dtype | str | None = None
+    cast_forward_inputs: bool = True
+    reshard_after_forward: bool | int = True
+    num_to_forward_prefetch: int = 0
+    num_to_backward_prefetch: int = 0
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        p = self._prefix
+        _set(self, "apply_modules", check_optional_patterns(self.apply_modules, f"{p}.apply_modules"))
+        _set(self, "ignored_modules", check_patterns(self.ignored_modules, f"{p}.ignored_modules"))
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            _set(self, name, parse_dtype(getattr(self, name), f"{p}.{name}"))
+        check_bool(self.cast_forward_inputs, f"{p}.cast_forward_inputs")
+        if not isinstance(self.reshard_after_forward, bool):
+            check_int(self.reshard_after_forward, f"{p}.reshard_after_forward", minimum=1)
+        check_int(self.num_to_forward_prefetch, f"{p}.num_to_forward_prefetch", minimum=0)
+        check_int(self.num_to_backward_prefetch, f"{p}.num_to_backward_prefetch", minimum=0)
+        check_bool(self.cpu_offload, f"{p}.cpu_offload")
+
+
+@dataclass(frozen=True)
+class TPPlanConfig(_ConfigBase):
+    """Tensor-parallel plan: Linear (and Embedding) modules picked by pattern."""
+
+    _prefix: ClassVar[str] = "tp_plan"
+
+    colwise_parallel: tuple[str, ...] = ()
+    rowwise_parallel: tuple[str, ...] = ()
+    sequence_parallel: tuple[str, ...] = ()
+    loss_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("colwise_parallel", "rowwise_parallel", "sequence_parallel"):
+            _set(self, name, check_patterns(getattr(self, name), f"tp_plan.{name}"))
+        check_bool(self.loss_parallel, "tp_plan.loss_parallel")
+        both = sorted(set(self.colwise_parallel) & set(self.rowwise_parallel))
+        if both:
+            raise ConfigError("tp_plan.rowwise_parallel", both[0], "list a pattern in one of colwise/rowwise only",
+                              reason="the same pattern is also in tp_plan.colwise_parallel")
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.colwise_parallel or self.rowwise_parallel)
+
+
+@dataclass(frozen=True)
+class EPPlanConfig(_ConfigBase):
+    """Expert-parallel plan: which modules hold experts, and how tokens reach them."""
+
+    _prefix: ClassVar[str] = "ep_plan"
+
+    apply_modules: tuple[str, ...] = ("*mlp.experts*",)
+    dispatcher: str = "fused"
+    num_chunks: int = 2
+
+    def __post_init__(self) -> None:
+        _set(self, "apply_modules", check_patterns(self.apply_modules, "ep_plan.apply_modules"))
+        _set(self, "dispatcher", check_choice(self.dispatcher, "ep_plan.dispatcher", DISPATCHERS))
+        check_int(self.num_chunks, "ep_plan.num_chunks", minimum=1)
+
+
+@dataclass(frozen=True)
+class CPPlanConfig(_ConfigBase):
+    """Ulysses context parallel. ``attention_function`` is a dotted path for non-HF models."""
+
+    _prefix: ClassVar[str] = "cp_plan"
+
+    attention_function: str | None = None
+
+    def __post_init__(self) -> None:
+        fn = self.attention_function
+        if fn is not None and (not isinstance(fn, str) or "." not in fn):
+            raise ConfigError("cp_plan.attention_function", fn, "use a dotted path such as 'my_pkg.attn.core_attention'")
+
+
+@dataclass(frozen=True)
+class ChunkLossPlanConfig(_ConfigBase):
+    """Chunked cross-entropy: the full [tokens, vocab] logits are never built."""
+
+    _prefix: ClassVar[str] = "chunk_loss_plan"
+
+    chunk_size: int = 1024
+    head_module: str | None = None
+    ignore_index: int = -100
+    z_loss_weight: float = 0.0
+    logit_softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        check_int(self.chunk_size, "chunk_loss_plan.chunk_size", minimum=1)
+        if self.head_module is not None and not isinstance(self.head_module, str):
+            raise ConfigError("chunk_loss_plan.head_module", self.head_module, "use a module name such as 'lm_head'")
+        check_int(self.ignore_index, "chunk_loss_plan.ignore_index")
+        _set(self, "z_loss_weight", check_float(self.z_loss_weight, "chunk_loss_plan.z_loss_weight", minimum=0.0))
+        if self.logit_softcap is not None:
+            _set(self, "logit_softcap",
+                 check_float(self.logit_softcap, "chunk_loss_plan.logit_softcap", minimum=0.0, strict=True))
+
+
+@dataclass(frozen=True)
+class QuantizeConfig(_ConfigBase):
+    """MX block quantization for training, applied by converters picked by pattern."""
+
+    _prefix: ClassVar[str] = "quantization_plan"
+
+    quant_format: str = "E4M3"
+    block_size: int = 32
+    scale_mode: str = "floor"
+    apply_modules: tuple[str, ...] | None = None
+    ignored_modules: tuple[str, ...] = ()
+    converters: tuple[str, ...] | None = None
+    emax_elem: int | None = None
+
+    def __post_init__(self) -> None:
+        p = self._prefix
+        _set(self, "quant_format", check_choice(self.quant_format, f"{p}.quant_format", QUANT_FORMATS, upper=True))
+        check_int(self.block_size, f"{p}.block_size", minimum=1)
+        _set(self, "scale_mode", check_choice(self.scale_mode, f"{p}.scale_mode", SCALE_MODES))
+        _set(self, "apply_modules", check_optional_patterns(self.apply_modules, f"{p}.apply_modules"))
+        _set(self, "ignored_modules", check_patterns(self.ignored_modules, f"{p}.ignored_modules"))
+        _set(self, "converters", check_optional_patterns(self.converters, f"{p}.converters"))
+        if self.emax_elem is not None:
+            check_int(self.emax_elem, f"{p}.emax_elem")
+
+
+@dataclass(frozen=True)
+class FSDPTurboConfig(_ConfigBase):
+    """The whole FSDPTurbo configuration, in the seed's flat field names.
+
+    ``fully_shard_parallel_size=-1`` takes every rank the other sizes leave.
+    """
+
+    _nested: ClassVar[dict[str, type]] = {
+        "fsdp_plan": FSDPPlanConfig,
+        "tp_plan": TPPlanConfig,
+        "ep_plan": EPPlanConfig,
+        "cp_plan": CPPlanConfig,
+        "chunk_loss_plan": ChunkLossPlanConfig,
+        "quantization_plan": QuantizeConfig,
+    }
+
+    data_parallel_size: int = 1
+    fully_shard_parallel_size: int = -1
+    fsdp_plan: FSDPPlanConfig = field(default_factory=FSDPPlanConfig)
+    tensor_parallel_size: int = 1
+    tp_plan: TPPlanConfig | None = None
+    expert_parallel_size: int = 1
+    expert_fully_shard_parallel_size: int | None = None
+    ep_plan: EPPlanConfig | None = None
+    context_parallel_size: int = 1
+    cp_plan: CPPlanConfig | None = None
+    recompute: bool = False
+    recompute_plan: tuple[str, ...] | None = None
+    recompute_policy: str | tuple[str, ...] = "full"
+    chunk_loss: bool = False
+    chunk_loss_plan: ChunkLossPlanConfig = field(default_factory=ChunkLossPlanConfig)
+    swap_activation: bool = False
+    swap_activation_plan: tuple[str, ...] | None = None
+    swap_activation_force: bool = False
+    swap_optimizer: bool = False
+    swap_optimizer_force: bool = False
+    quantization_plan: QuantizeConfig | None = None
+    compile: bool = False
+    device_type: str | None = None
+
+    def __post_init__(self) -> None:
+        check_int(self.data_parallel_size, "data_parallel_size", minimum=1)
+        check_int(self.fully_shard_parallel_size, "fully_shard_parallel_size", minimum=1, allow=(-1,))
+        check_int(self.tensor_parallel_size, "tensor_parallel_size", minimum=1)
+        check_int(self.expert_parallel_size, "expert_parallel_size", minimum=1)
+        check_int(self.context_parallel_size, "context_parallel_size", minimum=1)
+        if self.expert_fully_shard_parallel_size is not None:
+            check_int(self.expert_fully_shard_parallel_size, "expert_fully_shard_parallel_size", minimum=1)
+        for name, kind in self._nested.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise ConfigError(name, value, f"use {kind.__name__}(...) or a mapping of its fields")
+        self._check_plans_match_sizes()
+        self._check_memory_fields()
+        check_bool(self.compile, "compile")
+        if self.device_type is not None:
+            _set(self, "device_type", check_choice(self.device_type, "device_type", ("cpu", "cuda", "npu")))
+
+    def _check_plans_match_sizes(self) -> None:
+        tp = self.tensor_parallel_size
+        if tp > 1 and (self.tp_plan is None or self.tp_plan.is_empty):
+            raise ConfigError("tp_plan", self.tp_plan,
+                              "give TPPlanConfig(colwise_parallel=[...], rowwise_parallel=[...])",
+                              reason=f"tensor_parallel_size={tp} needs a plan")
+        if tp == 1 and self.tp_plan is not None:
+            if self.tp_plan.sequence_parallel:
+                raise ConfigError("tp_plan.sequence_parallel", list(self.tp_plan.sequence_parallel),
+                                  "set tensor_parallel_size > 1 or drop sequence_parallel",
+                                  reason="sequence parallel needs tensor parallel")
+            if self.tp_plan.loss_parallel:
+                raise ConfigError("tp_plan.loss_parallel", True, "set tensor_parallel_size > 1",
+                                  reason="loss parallel needs tensor parallel")
+        if self.expert_parallel_size > 1 and self.ep_plan is None:
+            raise ConfigError("ep_plan", None, "give EPPlanConfig(apply_modules=['*mlp.experts*'])",
+                              reason=f"expert_parallel_size={self.expert_parallel_size} needs a plan")
+        if self.expert_fully_shard_parallel_size is not None and self.ep_plan is None:
+            raise ConfigError("expert_fully_shard_parallel_size", self.expert_fully_shard_parallel_size,
+                              "give ep_plan=EPPlanConfig(...) or drop the field")
+
+    def _check_memory_fields(self) -> None:
+        for flag, plan in (("recompute", "recompute_plan"), ("swap_activation", "swap_activation_plan")):
+            check_bool(getattr(self, flag), flag)
+            _set(self, plan, check_optional_patterns(getattr(self, plan), plan))
+            if getattr(self, plan) is not None and not getattr(self, flag):
+                raise ConfigError(plan, list(getattr(self, plan)), f"set {flag}=True or drop {plan}",
+                                  reason=f"{flag} is off, so the plan would do nothing")
+        policy = self.recompute_policy
+        if isinstance(policy, str):
+            _set(self, "recompute_policy", check_choice(policy, "recompute_policy", RECOMPUTE_POLICIES))
+        else:
+            _set(self, "recompute_policy", check_patterns(policy, "recompute_policy"))
+        for flag in ("chunk_loss", "swap_activation_force", "swap_optimizer", "swap_optimizer_force"):
+            check_bool(getattr(self, flag), flag)
+
+    # ----- world-size checks ---------------------------------------------------------
+    def validate(self, world_size: int) -> ParallelSizes:
+        """Check the sizes against ``world_size``; return the resolved sizes. No collectives."""
+        return resolve_parallel_sizes(
+            world_size=world_size,
+            data_parallel_size=self.data_parallel_size,
+            fully_shard_parallel_size=self.fully_shard_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            tensor_parallel_size=self.tensor_parallel_size,
+            expert_parallel_size=self.expert_parallel_size,
+            expert_fully_shard_parallel_size=self.expert_fully_shard_parallel_size,
+        )
+
+    # ----- loading ------------------------------------------------------------------------
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> FSDPTurboConfig:
+        import yaml
+
+        with open(path, encoding="utf-8") as handle:
+            return cls.from_dict(yaml.safe_load(handle))
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> FSDPTurboConfig:
+        with open(path, "rb") as handle:
+            return cls.from_dict(tomllib.load(handle))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> FSDPTurboConfig:
+        suffix = Path(path).suffix.lower()
+        if suffix in (".yaml", ".yml"):
+            return cls.from_yaml(path)
+        if suffix == ".toml":
+            return cls.from_toml(path)
+        raise ConfigError("path", str(path), "use a .yaml, .yml or .toml file")

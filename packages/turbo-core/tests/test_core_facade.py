@@ -1,0 +1,71 @@
+"""The facade in one process: it returns the user's model unchanged in behaviour,
+and names the package to install for a missing feature."""
+
+import pytest
+import torch
+
+from fsdp_turbo.core.parallel_state import ParallelState
+from fsdp_turbo.core.plugin import TransformRegistry
+from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+from fsdp_turbo.fsdp_turbo import FSDPTurbo, plan_transforms
+from fsdp_turbo.fsdp_turbo_config import ConfigError, FSDPTurboConfig, TPPlanConfig
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+
+
+def test_single_process_returns_the_same_model():
+    plain = tiny_hf_causal_lm("llama", seed=3)
+    model = tiny_hf_causal_lm("llama", seed=3)
+    keys = list(model.state_dict())
+    names = [n for n, _ in model.named_parameters()]
+    wrapped = FSDPTurbo(FSDPTurboConfig(), model)
+    assert wrapped is model
+    assert list(wrapped.state_dict()) == keys
+    assert [n for n, _ in wrapped.named_parameters()] == names
+    assert wrapped.config.hidden_size == 64
+    state = wrapped.parallel_state
+    assert (state.world_size, state.dp_rank, state.dp_size, state.tp_size, state.distributed) == (1, 0, 1, 1, False)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(wrapped(input_ids=ids, labels=ids).loss, plain(input_ids=ids, labels=ids).loss,
+                               rtol=0, atol=0)
+
+
+def test_config_from_dict_and_file(tmp_path):
+    path = tmp_path / "turbo.yaml"
+    path.write_text("fully_shard_parallel_size: 1\n")
+    assert FSDPTurbo(str(path), tiny_hf_causal_lm("llama")).fsdp_turbo_config.fully_shard_parallel_size == 1
+    assert FSDPTurbo({"fully_shard_parallel_size": -1}, tiny_hf_causal_lm("llama")).parallel_state.dp_size == 1
+
+
+def test_sizes_beyond_a_single_process_are_a_config_error():
+    with pytest.raises(ConfigError) as info:
+        FSDPTurbo(FSDPTurboConfig(fully_shard_parallel_size=4), tiny_hf_causal_lm("llama"))
+    assert info.value.field == "fully_shard_parallel_size"
+    assert "world size is 1" in str(info.value)
+
+
+def _state(config, world):
+    return ParallelState(config.validate(world), 0, "cpu", distributed=False)
+
+
+def test_missing_feature_package_is_named():
+    config = FSDPTurboConfig(fully_shard_parallel_size=4)
+    with pytest.raises(ConfigError) as info:
+        plan_transforms(config, tiny_hf_causal_lm("llama"), _state(config, 4), TransformRegistry(load_entry_points=False))
+    assert "turbo-distributed" in str(info.value)
+    config = FSDPTurboConfig(recompute=True)
+    with pytest.raises(ConfigError, match="turbo-memory"):
+        plan_transforms(config, tiny_hf_causal_lm("llama"), _state(config, 1), TransformRegistry(load_entry_points=False))
+
+
+def test_head_count_must_divide_tp_times_cp():
+    config = FSDPTurboConfig(tensor_parallel_size=3, tp_plan=TPPlanConfig(colwise_parallel=["*.q_proj"]))
+    with pytest.raises(ConfigError) as info:
+        plan_transforms(config, tiny_hf_causal_lm("llama"), _state(config, 3))
+    assert "num_attention_heads=4" in str(info.value)

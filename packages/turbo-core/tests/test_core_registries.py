@@ -1,0 +1,150 @@
+"""Op registry, transform registry, device layer and logging."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_turbo.core import device, ops
+from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.logging import get_logger, warn_once
+from fsdp_turbo.core.plugin import Stage, Transform, TransformRegistry
+
+
+@pytest.fixture
+def op_name():
+    name = "test_scale"
+    yield name
+    ops.unregister_op(name)
+
+
+def test_portable_fallback_and_device_kernel(op_name, caplog):
+    @ops.register_op(op_name)
+    def portable(x):
+        return x * 2
+
+    @ops.register_op(op_name, "npu")
+    def npu_kernel(x):
+        return x * 3
+
+    x = torch.ones(2)
+    assert torch.equal(ops.call_op(op_name, "cpu", x), x * 2)
+    assert ops.get_op(op_name, "npu") is npu_kernel
+    with caplog.at_level(logging.WARNING, logger="fsdp_turbo"):
+        assert ops.get_op(op_name, "cuda") is portable
+        assert ops.get_op(op_name, "cuda") is portable
+    assert sum("no cuda kernel" in r.getMessage() for r in caplog.records) == 1
+    assert ops.registered_ops()[op_name] == ("npu", "portable")
+
+
+def test_duplicate_kernel_is_refused(op_name):
+    ops.register_op(op_name)(lambda x: x)
+    with pytest.raises(ValueError, match="already has"):
+        ops.register_op(op_name)(lambda x: x + 1)
+    replacement = ops.register_op(op_name, override=True)(lambda x: x + 1)
+    assert ops.get_op(op_name, "cpu") is replacement
+
+
+def test_unknown_op():
+    with pytest.raises(KeyError, match="no op named"):
+        ops.get_op("does_not_exist", "cpu")
+
+
+class _Named(Transform):
+    def __init__(self, name, stage):
+        self.name, self.stage = name, stage
+
+    def is_enabled(self, config, parallel_state):
+        return True
+
+    def validate(self, config, model, parallel_state):
+        return None
+
+    def apply(self, model, config, parallel_state):
+        return model
+
+
+def test_transform_registry_orders_by_stage():
+    registry = TransformRegistry(load_entry_points=False)
+    registry.register(_Named("b", Stage.FULLY_SHARD))
+    registry.register(_Named("a", Stage.QUANTIZE))
+    registry.register(_Named("c", Stage.TENSOR_PARALLEL))
+    assert [t.name for t in registry.all()] == ["a", "c", "b"]
+    assert registry.get("c").stage == Stage.TENSOR_PARALLEL
+    registry.unregister("c")
+    assert registry.get("c") is None
+
+
+def test_entry_point_transforms_are_transforms():
+    # Whatever packages are installed, every entry point must load a Transform.
+    for transform in TransformRegistry().all():
+        assert isinstance(transform, Transform) and transform.name
+
+
+def test_stages_follow_the_pipeline_order():
+    order = [Stage.QUANTIZE, Stage.TENSOR_PARALLEL, Stage.EXPERT_PARALLEL, Stage.CONTEXT_PARALLEL,
+             Stage.RECOMPUTE, Stage.SWAP_ACTIVATION, Stage.FULLY_SHARD, Stage.OPTIMIZER_HOOKS]
+    assert order == sorted(order)
+
+
+def test_device_layer_on_cpu(monkeypatch):
+    monkeypatch.delenv(device.DEVICE_ENV, raising=False)
+    assert device.detect_device_type() == "cpu"
+    assert device.backend_for("cpu") == "gloo"
+    assert device.backend_for("cuda") == "nccl"
+    assert device.backend_for("npu") == "hccl"
+    assert device.new_stream("cpu") is None
+    with device.stream_context(None):
+        buffer = device.pinned_empty((3,), torch.float32, "cpu")
+    assert buffer.shape == (3,) and not buffer.is_pinned()
+    assert device.max_memory_allocated("cpu") == 0
+    assert device.current_device("cpu") == torch.device("cpu")
+
+
+def test_device_env_override_and_errors(monkeypatch):
+    monkeypatch.setenv(device.DEVICE_ENV, "cpu")
+    assert device.detect_device_type() == "cpu"
+    with pytest.raises(ConfigError, match="device_type"):
+        device.detect_device_type("tpu")
+
+
+def test_npu_request_without_torch_npu_is_a_clear_error():
+    pytest.importorskip("torch")
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="torch_npu"):
+            device.detect_device_type("npu")
+    else:
+        assert device.detect_device_type("npu") == "npu"
+
+
+def test_logger_is_rank_aware(monkeypatch, caplog):
+    log = get_logger("test")
+    with caplog.at_level(logging.INFO, logger="fsdp_turbo"):
+        monkeypatch.setenv("RANK", "1")
+        log.info("hidden on rank 1")
+        log.info("shown on every rank", all_ranks=True)
+        monkeypatch.setenv("RANK", "0")
+        log.info("shown on rank 0")
+        warn_once(log, "once")
+        warn_once(log, "once")
+    messages = [r.getMessage() for r in caplog.records]
+    assert "[rank1] shown on every rank" in messages
+    assert "[rank0] shown on rank 0" in messages
+    assert not any("hidden" in m for m in messages)
+    assert messages.count("[rank0] once") == 1
+
+
+def test_repeated_blocks_fallback_for_plain_models():
+    from fsdp_turbo.core.model_inspect import repeated_blocks
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.small = nn.ModuleList([nn.Linear(1, 1)])
+            self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    assert list(repeated_blocks(Net())) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert repeated_blocks(nn.Linear(2, 2)) == {}

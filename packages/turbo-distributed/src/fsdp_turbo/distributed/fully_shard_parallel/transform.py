@@ -1,0 +1,64 @@
+"""The FSDP2 transform: mixed precision, prefetch, ignored modules, CPU offload and HSDP."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from fsdp_turbo.core.device import has_streams
+from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.parallel_state import ParallelState
+from fsdp_turbo.core.plugin import Stage, Transform
+from fsdp_turbo.distributed.fully_shard_parallel.units import prefetch_plan, select_units
+from fsdp_turbo.fsdp_turbo_config import FSDPPlanConfig, FSDPTurboConfig
+
+_log = get_logger(__name__)
+
+
+def mixed_precision_policy(plan: FSDPPlanConfig, *, root: bool) -> MixedPrecisionPolicy:
+    # output_dtype is the dtype of the model's outputs: casting every unit's output would
+    # hand fp32 activations to the next bf16 unit, so only the root casts.
+    return MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
+                                output_dtype=plan.output_dtype if root else None,
+                                cast_forward_inputs=plan.cast_forward_inputs)
+
+
+def offload_policy(plan: FSDPPlanConfig, device_type: str) -> OffloadPolicy:
+    # Pinned host memory only helps where copies can run asynchronously.
+    return CPUOffloadPolicy(pin_memory=has_streams(device_type)) if plan.cpu_offload else OffloadPolicy()
+
+
+class FullyShardTransform(Transform):
+    """``fully_shard`` each unit the plan picks (default: the repeated blocks), then the root."""
+
+    name = "fully_shard"
+    stage = Stage.FULLY_SHARD
+
+    def is_enabled(self, config: FSDPTurboConfig, parallel_state: ParallelState) -> bool:
+        # Any launched job shards, even a world of one (it still gets mixed precision and offload).
+        return parallel_state.world_size > 1 or parallel_state.distributed
+
+    def validate(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> None:
+        select_units(model, config.fsdp_plan)
+
+    def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:
+        plan = config.fsdp_plan
+        selection = select_units(model, plan)
+        ignored = selection.ignored_params() or None
+        options = {
+            "mesh": parallel_state.fsdp_mesh(),
+            "reshard_after_forward": plan.reshard_after_forward,
+            "offload_policy": offload_policy(plan, parallel_state.device_type),
+            "ignored_params": ignored,
+        }
+        units = list(selection.units.values())
+        for unit in units:
+            fully_shard(unit, mp_policy=mixed_precision_policy(plan, root=False), **options)
+        fully_shard(model, mp_policy=mixed_precision_policy(plan, root=True), **options)
+        for index, ahead, behind in prefetch_plan(units, plan.num_to_forward_prefetch, plan.num_to_backward_prefetch):
+            if ahead:
+                units[index].set_modules_to_forward_prefetch(ahead)
+            if behind:
+                units[index].set_modules_to_backward_prefetch(behind)
+        _log.info(f"fully_shard: {len(units)} units + root over mesh {options['mesh'].mesh.tolist()}")
+        return model

@@ -1,0 +1,69 @@
+"""Bad input: every rank raises the same ConfigError, before any collective, with no hang."""
+
+import pytest
+
+from fsdp_turbo.core.testing import run_distributed
+from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.multirank
+
+WORLD = 4
+CASES = {
+    "fsdp_does_not_divide_world": ({"fully_shard_parallel_size": 3}, "fully_shard_parallel_size"),
+    "sizes_exceed_world": ({"data_parallel_size": 2, "fully_shard_parallel_size": 4}, "fully_shard_parallel_size"),
+    "dp_does_not_divide_world": ({"data_parallel_size": 3},
+                                 "data_parallel_size*context_parallel_size*tensor_parallel_size"),
+    "fsdp_pattern_matches_nothing": ({"fsdp_plan": {"apply_modules": ["*.nothing"]}}, "fsdp_plan.apply_modules"),
+    "ignored_pattern_matches_nothing": ({"fsdp_plan": {"ignored_modules": ["*.nothing"]}},
+                                        "fsdp_plan.ignored_modules"),
+    "ignored_module_contains_a_unit": ({"fsdp_plan": {"ignored_modules": ["model.layers.{0-0}"]}},
+                                       "fsdp_plan.ignored_modules"),
+    "unknown_dtype": ({"fsdp_plan": {"param_dtype": "bfloat17"}}, "fsdp_plan.param_dtype"),
+    "negative_prefetch": ({"fsdp_plan": {"num_to_backward_prefetch": -1}}, "fsdp_plan.num_to_backward_prefetch"),
+    "tp_without_plan": ({"tensor_parallel_size": 2}, "tp_plan"),
+    "heads_not_divisible_by_tp": ({"tensor_parallel_size": 4, "tp_plan": {"colwise_parallel": ["*.q_proj"]}},
+                                  "tensor_parallel_size*context_parallel_size"),
+    "sequence_parallel_without_tp": ({"tp_plan": {"colwise_parallel": ["*.q_proj"], "sequence_parallel": ["*norm"]}},
+                                     "tp_plan.sequence_parallel"),
+    "ep_does_not_divide_world": ({"expert_parallel_size": 3, "ep_plan": {}}, "expert_parallel_size"),
+    "unknown_dispatcher": ({"expert_parallel_size": 2, "ep_plan": {"dispatcher": "allgather"}},
+                           "ep_plan.dispatcher"),
+    "unknown_quant_format": ({"quantization_plan": {"quant_format": "E3M4"}}, "quantization_plan.quant_format"),
+    "unknown_field": ({"fully_shard_parallel_sise": 4}, "fully_shard_parallel_sise"),
+}
+
+
+def build_with_bad_config(config):
+    import torch.distributed as dist
+
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    model = tiny_hf_causal_lm("llama", num_attention_heads=6, hidden_size=96)
+    groups_before = len(dist.distributed_c10d._world.pg_map)
+    try:
+        FSDPTurbo(config, model)
+    except Exception as error:  # noqa: BLE001 - the test inspects it
+        # No collective ran: no process group (mesh) was created before the error.
+        return error, len(dist.distributed_c10d._world.pg_map) - groups_before
+    return None, len(dist.distributed_c10d._world.pg_map) - groups_before
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_config_raises_same_error_on_every_rank(case):
+    from fsdp_turbo.fsdp_turbo_config import ConfigError
+
+    config, field = CASES[case]
+    results = run_distributed(build_with_bad_config, WORLD, config, timeout=120)
+    errors = [error for error, _ in results]
+    assert all(isinstance(e, ConfigError) for e in errors), errors
+    assert {e.field for e in errors} == {field}
+    assert len({str(e) for e in errors}) == 1
+    assert [new_groups for _, new_groups in results] == [0] * WORLD
+
+
+def test_a_good_config_does_build_meshes():
+    # The counter above is meaningful: a valid config creates the FSDP mesh's groups.
+    results = run_distributed(build_with_bad_config, WORLD, {"fully_shard_parallel_size": 4}, timeout=120)
+    assert [error for error, _ in results] == [None] * WORLD
+    assert all(new_groups > 0 for _, new_groups in results)
