@@ -54,14 +54,17 @@ def _state(config, world):
     return ParallelState(config.validate(world), 0, "cpu", distributed=False)
 
 
+EMPTY = TransformRegistry(load_entry_points=False)
+
+
 def test_missing_feature_package_is_named():
     config = FSDPTurboConfig(fully_shard_parallel_size=4)
     with pytest.raises(ConfigError) as info:
-        plan_transforms(config, tiny_hf_causal_lm("llama"), _state(config, 4), TransformRegistry(load_entry_points=False))
+        plan_transforms(config, tiny_hf_causal_lm("llama"), _state(config, 4), EMPTY)
     assert "turbo-distributed" in str(info.value)
     config = FSDPTurboConfig(recompute=True)
     with pytest.raises(ConfigError, match="turbo-memory"):
-        plan_transforms(config, tiny_hf_causal_lm("llama"), _state(config, 1), TransformRegistry(load_entry_points=False))
+        plan_transforms(config, tiny_hf_causal_lm("llama"), _state(config, 1), EMPTY)
 
 
 def test_head_count_must_divide_tp_times_cp():

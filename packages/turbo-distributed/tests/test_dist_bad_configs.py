@@ -43,7 +43,7 @@ def build_with_bad_config(config):
     groups_before = len(dist.distributed_c10d._world.pg_map)
     try:
         FSDPTurbo(config, model)
-    except Exception as error:  # noqa: BLE001 - the test inspects it
+    except Exception as error:
         # No collective ran: no process group (mesh) was created before the error.
         return error, len(dist.distributed_c10d._world.pg_map) - groups_before
     return None, len(dist.distributed_c10d._world.pg_map) - groups_before

@@ -92,7 +92,7 @@ def test_fsdp_options_keep_parity_and_shard_every_unit(reference):
 
 def test_hsdp_places_replicate_then_shard(reference):
     config = {"data_parallel_size": 2, "fully_shard_parallel_size": 2}
-    record, facts = run_distributed(facade_run, 4, "llama", BATCHES, config, True, timeout=300)[0]
+    _record, facts = run_distributed(facade_run, 4, "llama", BATCHES, config, True, timeout=300)[0]
     assert set(facts["placements"].values()) == {"(Replicate(), Shard(dim=0))"}
     assert facts["local_rows"]["model.embed_tokens.weight"] == 256 // 2
 

@@ -30,7 +30,7 @@ def test_patterns_pick_outermost_units():
 
 def test_ignoring_a_unit_or_its_parent_is_an_error():
     model = tiny_hf_causal_lm("llama")
-    with pytest.raises(ConfigError, match="contains the FSDP unit 'model.layers.0'"):
+    with pytest.raises(ConfigError, match=r"contains the FSDP unit 'model\.layers\.0'"):
         select_units(model, FSDPPlanConfig(ignored_modules=["model.layers.0"]))
     with pytest.raises(ConfigError, match="contains the FSDP unit"):
         select_units(model, FSDPPlanConfig(ignored_modules=["model"]))

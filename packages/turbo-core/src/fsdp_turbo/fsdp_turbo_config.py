@@ -176,7 +176,8 @@ class CPPlanConfig(_ConfigBase):
     def __post_init__(self) -> None:
         fn = self.attention_function
         if fn is not None and (not isinstance(fn, str) or "." not in fn):
-            raise ConfigError("cp_plan.attention_function", fn, "use a dotted path such as 'my_pkg.attn.core_attention'")
+            raise ConfigError("cp_plan.attention_function", fn,
+                              "use a dotted path such as 'my_pkg.attn.core_attention'")
 
 
 @dataclass(frozen=True)

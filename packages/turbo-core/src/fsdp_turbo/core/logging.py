@@ -16,7 +16,7 @@ def _rank() -> int:
 
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank()
-    except Exception:  # noqa: BLE001 - logging must never fail
+    except Exception:
         pass
     return int(os.environ.get("RANK", "0"))
 

@@ -72,14 +72,14 @@ def _worker(rank: int, world_size: int, port: int | None, backend: str, num_thre
             store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         outcome = _Outcome(True, fn(*args, **kwargs))
-    except BaseException as error:  # noqa: BLE001 - everything must reach the parent
+    except BaseException as error:
         outcome = _Outcome(False, error, traceback.format_exc())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     try:
         payload = pickle.dumps(outcome)
-    except Exception:  # noqa: BLE001 - an unpicklable error still reaches the parent as text
+    except Exception:
         payload = pickle.dumps(_Outcome(False, RankFailure(repr(outcome.value)), outcome.traceback))
     tmp = os.path.join(out_dir, f"{rank}.tmp")
     with open(tmp, "wb") as handle:
@@ -92,7 +92,7 @@ def _read(out_dir: str, rank: int) -> _Outcome | None:
     if not os.path.exists(path):
         return None
     with open(path, "rb") as handle:
-        return pickle.load(handle)  # noqa: S301 - written by our own child process
+        return pickle.load(handle)
 
 
 def _raise_from(rank: int, world_size: int, outcome: _Outcome) -> None:

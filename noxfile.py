@@ -1,0 +1,89 @@
+"""FSDPTurbo's sessions. ``nox`` runs lint, build, each package alone, then integration.
+
+Each package session installs only that package, turbo-core and the test tools,
+which proves the package works without its siblings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+FEATURE_PACKAGES = {
+    "distributed": "turbo-distributed",
+    "memory": "turbo-memory",
+    "quant": "turbo-quant",
+}
+ALL_PACKAGES = ("turbo-core", "turbo-distributed", "turbo-memory", "turbo-quant", "fsdp-turbo")
+PYTEST = ("pytest", "-n", "2", "--timeout", "900")
+
+nox.options.sessions = ["lint", "build", "core", *FEATURE_PACKAGES, "integration"]
+nox.options.reuse_existing_virtualenvs = False
+
+
+def _install(session: nox.Session, *targets: str) -> None:
+    # torch first, alone, so pip never considers another build of it.
+    session.install(*CONSTRAINTS, "torch==2.13.0")
+    session.install(*CONSTRAINTS, *targets)
+
+
+def _package(name: str, extra: str = "") -> str:
+    return f"{ROOT / 'packages' / name}{extra}"
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install(*CONSTRAINTS, "ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Every package builds a wheel and an sdist with hatch, at the version it declares."""
+    session.install(*CONSTRAINTS, "hatch")
+    out = ROOT / "dist"
+    versions = {}
+    for name in ALL_PACKAGES:
+        with session.chdir(ROOT / "packages" / name):
+            versions[name] = session.run("hatch", "version", silent=True).strip()
+            session.run("hatch", "build", "-c", "-t", "wheel", "-t", "sdist", str(out / name))
+    session.run("python", str(ROOT / "tools" / "check_dists.py"), str(out),
+                *[f"{n}={v}" for n, v in versions.items()])
+
+
+@nox.session
+def core(session: nox.Session) -> None:
+    """turbo-core alone."""
+    _install(session, _package("turbo-core", "[test]"))
+    session.run(*PYTEST, "packages/turbo-core/tests", *session.posargs)
+
+
+def _feature_session(short: str, dist: str) -> None:
+    def run(session: nox.Session) -> None:
+        _install(session, _package("turbo-core"), _package(dist, "[test]"))
+        session.run(*PYTEST, f"packages/{dist}/tests", *session.posargs)
+
+    run.__doc__ = f"{dist} with only turbo-core installed."
+    nox.session(name=short)(run)
+
+
+for _short, _dist in FEATURE_PACKAGES.items():
+    _feature_session(_short, _dist)
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Every package together: integration_tests/ (multi-package, torchrun)."""
+    _install(session, *(_package(n) for n in ALL_PACKAGES), _package("turbo-core", "[test]"))
+    session.run(*PYTEST, "integration_tests", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """A small real training job: torchrun, 4 CPU ranks, FSDP, loss printed per step."""
+    _install(session, *(_package(n) for n in ALL_PACKAGES), _package("turbo-core", "[hf]"))
+    session.run("torchrun", "--nproc-per-node", "4", "--standalone", "examples/train_tiny_llama.py",
+                *session.posargs, env={"OMP_NUM_THREADS": "1"})
