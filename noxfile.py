@@ -48,7 +48,8 @@ def build(session: nox.Session) -> None:
     versions = {}
     for name in ALL_PACKAGES:
         with session.chdir(ROOT / "packages" / name):
-            versions[name] = session.run("hatch", "version", silent=True).strip()
+            # hatch may log environment setup first; the version is the last line.
+            versions[name] = session.run("hatch", "version", silent=True).strip().splitlines()[-1]
             session.run("hatch", "build", "-c", "-t", "wheel", "-t", "sdist", str(out / name))
     session.run("python", str(ROOT / "tools" / "check_dists.py"), str(out),
                 *[f"{n}={v}" for n, v in versions.items()])

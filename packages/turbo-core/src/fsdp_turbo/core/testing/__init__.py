@@ -8,7 +8,7 @@
 * :mod:`.models` builds tiny Hugging Face models from a config (random init).
 """
 
-from fsdp_turbo.core.testing.harness import RankFailure, run_distributed, run_reference
+from fsdp_turbo.core.testing.harness import RankFailure, device_under_test, run_distributed, run_reference
 from fsdp_turbo.core.testing.parity import (
     TrainRecord,
     assert_parity,
@@ -31,5 +31,6 @@ __all__ = [
     "run_reference",
     "seed_everything",
     "shard_rows",
+    "device_under_test",
     "train_steps",
 ]

@@ -10,9 +10,10 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+TEST_DEVICE_ENV = "FSDP_TURBO_TEST_DEVICE"
 _POLL_S = 0.05
 _GRACE_S = 15.0
 # Ranks fork from a server that imported these once, so a 4-rank test does not pay
@@ -47,6 +48,8 @@ class _Outcome:
     ok: bool
     value: Any = None
     traceback: str = ""
+    # CLOCK_MONOTONIC is system-wide on Linux, so ranks' failure times compare.
+    when: float = field(default_factory=time.monotonic)
 
 
 class _RemoteTraceback(Exception):
@@ -57,13 +60,19 @@ class _RemoteTraceback(Exception):
         return "\n" + self.args[0]
 
 
+def device_under_test() -> str:
+    """The device the suite runs on: ``$FSDP_TURBO_TEST_DEVICE`` (cpu, cuda or npu), default cpu."""
+    return os.environ.get(TEST_DEVICE_ENV, "cpu").lower()
+
+
 def _worker(rank: int, world_size: int, port: int | None, backend: str, num_threads: int,
             fn: Callable[..., Any], args: tuple, kwargs: dict, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      FSDP_TURBO_DEVICE=device_under_test())
     if port is not None:
         os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(num_threads)
@@ -80,7 +89,7 @@ def _worker(rank: int, world_size: int, port: int | None, backend: str, num_thre
     try:
         payload = pickle.dumps(outcome)
     except Exception:
-        payload = pickle.dumps(_Outcome(False, RankFailure(repr(outcome.value)), outcome.traceback))
+        payload = pickle.dumps(_Outcome(False, RankFailure(repr(outcome.value)), outcome.traceback, outcome.when))
     tmp = os.path.join(out_dir, f"{rank}.tmp")
     with open(tmp, "wb") as handle:
         handle.write(payload)
@@ -108,7 +117,7 @@ def run_distributed(
     world_size: int,
     *args: Any,
     timeout: float = 300.0,
-    backend: str = "gloo",
+    backend: str | None = None,
     init_process_group: bool = True,
     num_threads: int = 1,
     return_exceptions: bool = False,
@@ -120,10 +129,14 @@ def run_distributed(
     re-raised here with its remote traceback; the others are then stopped. With
     ``return_exceptions=True`` the per-rank exceptions are returned instead, so a
     test can check that every rank raised the same error. Exceeding ``timeout``
-    kills every rank and raises ``TimeoutError``.
+    kills every rank and raises ``TimeoutError``. The backend follows
+    ``$FSDP_TURBO_TEST_DEVICE`` (gloo on cpu, the default).
     """
     import torch.distributed as dist
 
+    from fsdp_turbo.core.device import backend_for
+
+    backend = backend or backend_for(device_under_test())
     store = None
     port = None
     if init_process_group:
@@ -178,7 +191,10 @@ def _collect(procs: list, out_dir: str, timeout: float, return_exceptions: bool)
             raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s")
         time.sleep(_POLL_S)
     if first_failure is not None and not return_exceptions:
-        _raise_from(first_failure, world_size, outcomes[first_failure])
+        # The root cause is the earliest error; peers usually fail after it (closed connections).
+        failed = [r for r, o in outcomes.items() if not o.ok]
+        root = min(failed, key=lambda r: outcomes[r].when)
+        _raise_from(root, world_size, outcomes[root])
     return [outcomes[rank] for rank in range(world_size)]
 
 

@@ -77,10 +77,11 @@ def train_steps(
     every data shard holds the same number of tokens.
     """
     params = list(model.parameters())
+    device = params[0].device
     optimizer = (optimizer_factory or (lambda p: torch.optim.AdamW(p, lr=lr, foreach=False)))(params)
     record = TrainRecord()
     for step, batch in enumerate(batches):
-        loss = loss_fn(model, batch)
+        loss = loss_fn(model, batch.to(device))
         loss.backward()
         record.losses.append(_world_mean(loss))
         if step == 0 and record_grads:
