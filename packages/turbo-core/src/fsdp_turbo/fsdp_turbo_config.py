@@ -94,7 +94,8 @@ class FSDPPlanConfig(_ConfigBase):
 
     ``apply_modules`` picks the FSDP units (outermost matches); ``None`` means each
     block of the model's repeated block list, e.g. the decoder layers. The root is
-    always wrapped last.
+    always wrapped last. ``reshard_after_forward=None`` keeps FSDP2's default: units
+    reshard, the root does not (its parameters are needed again at once in backward).
     """
 
     _prefix: ClassVar[str] = "fsdp_plan"
@@ -105,7 +106,7 @@ class FSDPPlanConfig(_ConfigBase):
     reduce_dtype: torch.dtype | str | None = None
     output_dtype: torch.dtype | str | None = None
     cast_forward_inputs: bool = True
-    reshard_after_forward: bool | int = True
+    reshard_after_forward: bool | int | None = None
     num_to_forward_prefetch: int = 0
     num_to_backward_prefetch: int = 0
     cpu_offload: bool = False
@@ -117,7 +118,7 @@ class FSDPPlanConfig(_ConfigBase):
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             _set(self, name, parse_dtype(getattr(self, name), f"{p}.{name}"))
         check_bool(self.cast_forward_inputs, f"{p}.cast_forward_inputs")
-        if not isinstance(self.reshard_after_forward, bool):
+        if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
             check_int(self.reshard_after_forward, f"{p}.reshard_after_forward", minimum=1)
         check_int(self.num_to_forward_prefetch, f"{p}.num_to_forward_prefetch", minimum=0)
         check_int(self.num_to_backward_prefetch, f"{p}.num_to_backward_prefetch", minimum=0)

@@ -23,6 +23,14 @@ def mixed_precision_policy(plan: FSDPPlanConfig, *, root: bool) -> MixedPrecisio
                                 cast_forward_inputs=plan.cast_forward_inputs)
 
 
+def reshard_after_forward(plan: FSDPPlanConfig, *, root: bool) -> bool | int:
+    # Unset means FSDP2's own heuristic, spelled out so every torch>=2.9 behaves alike:
+    # units free their parameters after forward; the root keeps them for backward.
+    if plan.reshard_after_forward is None:
+        return not root
+    return plan.reshard_after_forward
+
+
 def offload_policy(plan: FSDPPlanConfig, device_type: str) -> OffloadPolicy:
     # Pinned host memory only helps where copies can run asynchronously.
     return CPUOffloadPolicy(pin_memory=has_streams(device_type)) if plan.cpu_offload else OffloadPolicy()
@@ -47,14 +55,15 @@ class FullyShardTransform(Transform):
         ignored = selection.ignored_params() or None
         options = {
             "mesh": parallel_state.fsdp_mesh(),
-            "reshard_after_forward": plan.reshard_after_forward,
             "offload_policy": offload_policy(plan, parallel_state.device_type),
             "ignored_params": ignored,
         }
         units = list(selection.units.values())
         for unit in units:
-            fully_shard(unit, mp_policy=mixed_precision_policy(plan, root=False), **options)
-        fully_shard(model, mp_policy=mixed_precision_policy(plan, root=True), **options)
+            fully_shard(unit, mp_policy=mixed_precision_policy(plan, root=False),
+                        reshard_after_forward=reshard_after_forward(plan, root=False), **options)
+        fully_shard(model, mp_policy=mixed_precision_policy(plan, root=True),
+                    reshard_after_forward=reshard_after_forward(plan, root=True), **options)
         for index, ahead, behind in prefetch_plan(units, plan.num_to_forward_prefetch, plan.num_to_backward_prefetch):
             if ahead:
                 units[index].set_modules_to_forward_prefetch(ahead)
