@@ -36,6 +36,12 @@ def test_single_process_returns_the_same_model():
                                rtol=0, atol=0)
 
 
+def test_applying_twice_is_a_config_error():
+    model = FSDPTurbo(FSDPTurboConfig(), tiny_hf_causal_lm("llama"))
+    with pytest.raises(ConfigError, match="already been through FSDPTurbo"):
+        FSDPTurbo(FSDPTurboConfig(), model)
+
+
 def test_config_from_dict_and_file(tmp_path):
     path = tmp_path / "turbo.yaml"
     path.write_text("fully_shard_parallel_size: 1\n")

@@ -67,3 +67,26 @@ def test_meshes_on_four_ranks():
     hsdp = run_distributed(_mesh_facts, 4, 2, 1, timeout=120)
     assert hsdp[0]["fsdp_mesh_shape"] == (2, 2)
     assert [f["dp_group"] for f in hsdp] == [[0, 1, 2, 3]] * 4
+
+
+def _cp_mesh_facts():
+    import torch.distributed as dist
+
+    sizes = resolve_parallel_sizes(world_size=4, data_parallel_size=2, context_parallel_size=2)
+    state = ParallelState.create(sizes, dist.get_rank(), "cpu")
+    fsdp_mesh = state.fsdp_mesh()
+    flat = state.flat_mesh("fsdp", "cp")
+    return {
+        "shape": tuple(fsdp_mesh.mesh.shape),
+        "names": fsdp_mesh.mesh_dim_names,
+        "shard_group": sorted(dist.get_process_group_ranks(fsdp_mesh.get_group(1))),
+        "flat_is_cached": flat is state.flat_mesh("fsdp", "cp"),
+    }
+
+
+@pytest.mark.multirank
+def test_fsdp_mesh_spans_fsdp_times_cp_under_hsdp():
+    facts = run_distributed(_cp_mesh_facts, 4, timeout=120)
+    assert facts[0]["shape"] == (2, 2) and facts[0]["names"] == ("dp_replicate", "fsdp_cp")
+    assert [f["shard_group"] for f in facts] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert all(f["flat_is_cached"] for f in facts)

@@ -1,36 +1,21 @@
-"""turbo-memory's packaging: version, namespace layout, and the dependency rule."""
+"""turbo-memory's packaging (version, namespace layout, dependency rule), and the facade's
+error while its transform is not built yet."""
 
-from importlib.metadata import version
-from pathlib import Path
+import pytest
+from torch import nn
 
-import fsdp_turbo.memory as package
-from fsdp_turbo.core.testing.imports import SHARED_ALLOWED, foreign_imports
-
-SOURCE = Path(package.__file__).resolve().parent
-
-
-def test_version_is_the_package_version():
-    assert version("turbo-memory") == package.__version__
+from fsdp_turbo.core.testing.imports import feature_package_problems
+from fsdp_turbo.fsdp_turbo import FSDPTurbo
+from fsdp_turbo.fsdp_turbo_config import ConfigError
 
 
-def test_ships_no_namespace_init():
-    assert not (SOURCE.parent / "__init__.py").exists()
-
-
-def test_imports_only_torch_and_turbo_core():
-    assert foreign_imports(SOURCE, (*SHARED_ALLOWED, "fsdp_turbo.memory")) == {}
+def test_packaging_rules():
+    assert feature_package_problems("turbo-memory", "fsdp_turbo.memory") == []
 
 
 def test_unbuilt_feature_is_a_clear_config_error(monkeypatch):
-    # The transform lands with its feature issue; until then the facade must say so.
-    import pytest
-    from torch import nn
-
-    from fsdp_turbo.fsdp_turbo import FSDPTurbo
-    from fsdp_turbo.fsdp_turbo_config import ConfigError, FSDPTurboConfig
-
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ConfigError) as info:
-        FSDPTurbo(FSDPTurboConfig.from_dict({"recompute": True}), nn.Linear(2, 2))
+        FSDPTurbo({"recompute": True}, nn.Linear(2, 2))
     assert info.value.field == "recompute"
     assert "turbo-memory" in str(info.value) and "installed but has no" in str(info.value)

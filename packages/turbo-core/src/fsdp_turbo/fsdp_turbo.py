@@ -104,6 +104,9 @@ def FSDPTurbo(config: FSDPTurboConfig | Mapping[str, Any] | str | Path, model: M
     initialises the process group itself if the caller has not.
     """
     config = _as_config(config)
+    if isinstance(getattr(model, "parallel_state", None), ParallelState):
+        raise ConfigError("model", type(model).__name__, "pass the original model once; FSDPTurbo applies in place",
+                          reason="this model has already been through FSDPTurbo")
     world_size, rank = _world_and_rank()
     sizes = config.validate(world_size)
     state = ParallelState.create(sizes, rank, detect_device_type(config.device_type))

@@ -14,8 +14,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_turbo.core.errors import ConfigError
 
@@ -120,6 +124,7 @@ class ParallelState:
         dense = dict(zip(DENSE_DIMS, _coordinates(rank, sizes.dense_shape), strict=True))
         expert = dict(zip(EXPERT_DIMS, _coordinates(rank, sizes.expert_shape), strict=True))
         self.coordinates: dict[str, int] = {**dense, **expert}
+        self._flattened: dict[str, DeviceMesh] = {}
 
     @classmethod
     def create(cls, sizes: ParallelSizes, rank: int, device_type: str) -> ParallelState:
@@ -157,46 +162,56 @@ class ParallelState:
 
     # ----- meshes -----------------------------------------------------------------------------
     @cached_property
-    def dense_mesh(self):
+    def dense_mesh(self) -> DeviceMesh:
         return self._init_mesh(self.sizes.dense_shape, DENSE_DIMS)
 
     @cached_property
-    def expert_mesh(self):
+    def expert_mesh(self) -> DeviceMesh:
         return self._init_mesh(self.sizes.expert_shape, EXPERT_DIMS)
 
-    def _init_mesh(self, shape: tuple[int, ...], names: tuple[str, ...]):
+    def _init_mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
         if not self.distributed:
             raise RuntimeError("no process group is initialised, so there is no device mesh")
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(self.device_type, shape, mesh_dim_names=names)
 
-    def mesh(self, *names: str):
-        """The submesh over ``names`` (dense or expert dims), e.g. ``mesh('tp')``.
+    def _root_for(self, names: tuple[str, ...]) -> DeviceMesh:
+        if set(names) <= set(DENSE_DIMS):
+            return self.dense_mesh
+        if set(names) <= set(EXPERT_DIMS):
+            return self.expert_mesh
+        raise KeyError(f"unknown or mixed mesh dims {names}; use dims of {DENSE_DIMS} or {EXPERT_DIMS}")
 
-        Several dims are flattened into one when ``flatten=True`` is not wanted; use
-        :meth:`flat_mesh` for that.
+    def mesh(self, *names: str) -> DeviceMesh:
+        """The submesh over ``names``, all dense or all expert dims: ``mesh('tp')``,
+        ``mesh('dp_replicate', 'fsdp')``. See :meth:`flat_mesh` for a 1-D product."""
+        root = self._root_for(names)
+        return root[names if len(names) > 1 else names[0]]
+
+    def flat_mesh(self, *names: str) -> DeviceMesh:
+        """A 1-D mesh over the product of ``names``, e.g. ``flat_mesh('fsdp', 'cp')``.
+
+        The flattened dim is registered on the root mesh as ``'_'.join(names)``, so it
+        can be sliced together with other dims afterwards.
         """
-        source = self.expert_mesh if set(names) <= set(EXPERT_DIMS) else self.dense_mesh
-        unknown = set(names) - set(DENSE_DIMS) - set(EXPERT_DIMS)
-        if unknown or not (set(names) <= set(DENSE_DIMS) or set(names) <= set(EXPERT_DIMS)):
-            raise KeyError(f"unknown or mixed mesh dims {names}; use dims of {DENSE_DIMS} or {EXPERT_DIMS}")
-        return source[names if len(names) > 1 else names[0]]
-
-    def flat_mesh(self, *names: str):
-        """A 1-D mesh over the product of ``names`` (e.g. ``flat_mesh('fsdp', 'cp')``)."""
         if len(names) == 1:
             return self.mesh(names[0])
-        return self.mesh(*names)._flatten("_".join(names))
+        flat_name = "_".join(names)
+        if flat_name not in self._flattened:
+            self._flattened[flat_name] = self.mesh(*names)._flatten(flat_name)
+        return self._flattened[flat_name]
 
-    def fsdp_mesh(self):
-        """The mesh FSDP2 shards over: (dp_replicate, fsdp x cp) for HSDP, else 1-D."""
-        shard = self.flat_mesh("fsdp", "cp") if self.sizes.cp > 1 else self.mesh("fsdp")
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards over: ``fsdp`` (times ``cp``, as torchtitan does), with a
+        leading ``dp_replicate`` dim for HSDP."""
+        shard = "fsdp"
+        if self.sizes.cp > 1:
+            shard = "fsdp_cp"
+            self.flat_mesh("fsdp", "cp")
         if self.sizes.dp_replicate == 1:
-            return shard
-        if self.sizes.cp == 1:
-            return self.mesh("dp_replicate", "fsdp")
-        raise NotImplementedError("HSDP together with context parallel is built with the CP transform")
+            return self.dense_mesh[shard]
+        return self.dense_mesh["dp_replicate", shard]
 
     def group(self, *names: str) -> torch.distributed.ProcessGroup:
         """The process group spanning ``names`` (flattened when several)."""

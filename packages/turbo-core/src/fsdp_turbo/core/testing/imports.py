@@ -34,3 +34,22 @@ def foreign_imports(source_dir: str | Path, allowed: tuple[str, ...]) -> dict[st
 
     bad = {path: sorted(n for n in names if not ok(n)) for path, names in imported_names(source_dir).items()}
     return {path: names for path, names in bad.items() if names}
+
+
+def feature_package_problems(distribution: str, module: str) -> list[str]:
+    """What breaks the packaging rules for a feature package: its version must be the
+    installed distribution's, it must not ship the namespace ``__init__``, and it may
+    import only the standard library, torch, turbo-core and itself."""
+    import importlib
+    from importlib.metadata import version
+
+    package = importlib.import_module(module)
+    source = Path(package.__file__).resolve().parent
+    problems = []
+    if version(distribution) != package.__version__:
+        problems.append(f"{module}.__version__={package.__version__} but {distribution} is {version(distribution)}")
+    if (source.parent / "__init__.py").exists():
+        problems.append(f"{source.parent / '__init__.py'} closes the fsdp_turbo namespace")
+    for path, names in foreign_imports(source, (*SHARED_ALLOWED, module)).items():
+        problems.append(f"{path} imports {names}")
+    return problems
