@@ -31,15 +31,38 @@ CASES = {
                            "ep_plan.dispatcher"),
     "unknown_quant_format": ({"quantization_plan": {"quant_format": "E3M4"}}, "quantization_plan.quant_format"),
     "unknown_field": ({"fully_shard_parallel_sise": 4}, "fully_shard_parallel_sise"),
+    "tp_pattern_matches_non_linear": ({"tensor_parallel_size": 2,
+                                       "tp_plan": {"colwise_parallel": ["model.layers.*.mlp"]}},
+                                      "tp_plan.colwise_parallel"),
+    "module_in_two_tp_plans": ({"tensor_parallel_size": 2,
+                                "tp_plan": {"colwise_parallel": ["*.q_proj"], "rowwise_parallel": ["*_proj"]}},
+                               "tp_plan.rowwise_parallel"),
+    "tp_pattern_matches_nothing": ({"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": ["*.wq"]}},
+                                   "tp_plan.colwise_parallel"),
+    "loss_parallel_head_not_colwise": ({"tensor_parallel_size": 2,
+                                        "tp_plan": {"colwise_parallel": ["*.q_proj"], "loss_parallel": True}},
+                                       "tp_plan.loss_parallel"),
+    "sequence_parallel_misses_norms": ({"tensor_parallel_size": 2, "tp_plan": {
+        "colwise_parallel": ["*.q_proj"], "sequence_parallel": ["model.norm"]}}, "tp_plan.sequence_parallel"),
+}
+# Cases that need a particular model shape: (config, field, model overrides).
+MODEL_CASES = {
+    "kv_heads_not_divisible_by_tp": ({"tensor_parallel_size": 4, "tp_plan": {"colwise_parallel": ["*.q_proj"]}},
+                                     "tensor_parallel_size", {"num_attention_heads": 4, "num_key_value_heads": 2}),
+    "colwise_dim_not_divisible_by_tp": ({"tensor_parallel_size": 4, "tp_plan": {"colwise_parallel": ["lm_head"]}},
+                                        "tp_plan.colwise_parallel",
+                                        {"num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 250}),
+    "tied_weights_sharded_differently": ({"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": ["lm_head"]}},
+                                         "tp_plan", {"tie_word_embeddings": True}),
 }
 
 
-def build_with_bad_config(config):
+def build_with_bad_config(config, model_kwargs=None):
     import torch.distributed as dist
 
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
-    model = tiny_hf_causal_lm("llama", num_attention_heads=6, hidden_size=96)
+    model = tiny_hf_causal_lm("llama", **(model_kwargs or {"num_attention_heads": 6, "hidden_size": 96}))
     groups_before = len(dist.distributed_c10d._world.pg_map)
     try:
         FSDPTurbo(config, model)
@@ -49,12 +72,15 @@ def build_with_bad_config(config):
     return None, len(dist.distributed_c10d._world.pg_map) - groups_before
 
 
-@pytest.mark.parametrize("case", list(CASES))
+ALL_CASES = {**{k: (*v, None) for k, v in CASES.items()}, **MODEL_CASES}
+
+
+@pytest.mark.parametrize("case", list(ALL_CASES))
 def test_bad_config_raises_same_error_on_every_rank(case):
     from fsdp_turbo.fsdp_turbo_config import ConfigError
 
-    config, field = CASES[case]
-    results = run_distributed(build_with_bad_config, WORLD, config, timeout=120)
+    config, field, model_kwargs = ALL_CASES[case]
+    results = run_distributed(build_with_bad_config, WORLD, config, model_kwargs, timeout=120)
     errors = [error for error, _ in results]
     assert all(isinstance(e, ConfigError) for e in errors), errors
     assert {e.field for e in errors} == {field}

@@ -7,51 +7,19 @@ gradients, as full tensors, rtol 1e-4 / atol 1e-6.
 
 import pytest
 import torch
+from distributed_jobs import BATCHES, facade_run, reference_run
 
-from fsdp_turbo.core.testing import (
-    assert_parity,
-    make_token_batches,
-    run_distributed,
-    run_reference,
-    shard_rows,
-    train_steps,
-)
+from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference, shard_rows, train_steps
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.multirank
 
-STEPS = 4
-BATCHES = make_token_batches(vocab_size=256, global_batch=8, seq_len=16, steps=STEPS)
 LAYOUTS = {
     "fsdp4": (4, {"fully_shard_parallel_size": 4}),
     "dp2xfsdp2": (4, {"data_parallel_size": 2, "fully_shard_parallel_size": 2}),
     "fsdp2": (2, {"fully_shard_parallel_size": 2}),
 }
-
-
-def reference_run(kind, batches):
-    return train_steps(tiny_hf_causal_lm(kind), batches)
-
-
-def facade_run(kind, batches, config, inspect=False):
-    from torch.distributed.tensor import DTensor
-
-    from fsdp_turbo.fsdp_turbo import FSDPTurbo
-
-    model = FSDPTurbo(config, tiny_hf_causal_lm(kind))
-    state = model.parallel_state
-    record = train_steps(model, [shard_rows(b, state.dp_rank, state.dp_size) for b in batches])
-    if not inspect:
-        return record
-    facts = {
-        "dtensor": {n: isinstance(p, DTensor) for n, p in model.named_parameters()},
-        "placements": {n: str(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)},
-        "local_rows": {n: p.to_local().shape[0] for n, p in model.named_parameters() if isinstance(p, DTensor)},
-        "class": type(model).__name__,
-        "config_passthrough": model.config.num_hidden_layers,
-    }
-    return record, facts
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +49,7 @@ def test_fsdp_options_keep_parity_and_shard_every_unit(reference):
         "fsdp_plan": {"apply_modules": ["model.layers.{*}", "lm_head"], "reshard_after_forward": False,
                       "num_to_forward_prefetch": 1, "num_to_backward_prefetch": 1},
     }
-    results = run_distributed(facade_run, 4, "llama", BATCHES, config, True, timeout=300)
+    results = run_distributed(facade_run, 4, "llama", BATCHES, config, inspect=True, timeout=300)
     record, facts = results[0]
     assert_parity(reference("llama"), record, loss_rtol=1e-5, grad_rtol=1e-4, grad_atol=1e-6)
     assert all(facts["dtensor"].values())
@@ -92,7 +60,7 @@ def test_fsdp_options_keep_parity_and_shard_every_unit(reference):
 
 def test_hsdp_places_replicate_then_shard(reference):
     config = {"data_parallel_size": 2, "fully_shard_parallel_size": 2}
-    _record, facts = run_distributed(facade_run, 4, "llama", BATCHES, config, True, timeout=300)[0]
+    _record, facts = run_distributed(facade_run, 4, "llama", BATCHES, config, inspect=True, timeout=300)[0]
     assert set(facts["placements"].values()) == {"(Replicate(), Shard(dim=0))"}
     assert facts["local_rows"]["model.embed_tokens.weight"] == 256 // 2
 
@@ -105,7 +73,7 @@ def test_cpu_offload_keeps_parity(reference):
 
 def test_ignored_modules_stay_unsharded(reference):
     config = {"fully_shard_parallel_size": 2, "fsdp_plan": {"ignored_modules": ["model.norm"]}}
-    record, facts = run_distributed(facade_run, 2, "llama", BATCHES, config, True, timeout=300)[0]
+    record, facts = run_distributed(facade_run, 2, "llama", BATCHES, config, inspect=True, timeout=300)[0]
     assert facts["dtensor"]["model.norm.weight"] is False
     assert sum(facts["dtensor"].values()) == len(facts["dtensor"]) - 1
     expected = reference("llama")

@@ -17,6 +17,7 @@ class TrainRecord:
 
     losses: list[float] = field(default_factory=list)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    grad_norms: list[float] = field(default_factory=list)
 
 
 def seed_everything(seed: int) -> None:
@@ -70,11 +71,14 @@ def train_steps(
     loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = causal_lm_loss,
     optimizer_factory: Callable[..., torch.optim.Optimizer] | None = None,
     record_grads: bool = True,
+    clip_grad_norm: float | None = None,
 ) -> TrainRecord:
     """Train on ``batches`` (already this rank's shard) with AdamW; record losses and step-0 grads.
 
     The loss is averaged over all ranks, which equals the global-batch loss when
-    every data shard holds the same number of tokens.
+    every data shard holds the same number of tokens. With ``clip_grad_norm`` the
+    gradients are clipped with ``torch.nn.utils.clip_grad_norm_`` after the step-0
+    gradients are recorded, and each step's total norm is recorded.
     """
     params = list(model.parameters())
     device = params[0].device
@@ -86,6 +90,9 @@ def train_steps(
         record.losses.append(_world_mean(loss))
         if step == 0 and record_grads:
             record.grads = {name: full_tensor(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+        if clip_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+            record.grad_norms.append(float(full_tensor(norm)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return record
@@ -98,6 +105,8 @@ def assert_parity(reference: TrainRecord, candidate: TrainRecord, *, loss_rtol: 
     torch.testing.assert_close(
         torch.tensor(candidate.losses, dtype=torch.float64), torch.tensor(reference.losses, dtype=torch.float64),
         rtol=loss_rtol, atol=loss_atol, msg=lambda m: f"losses differ: {candidate.losses} vs {reference.losses}\n{m}")
+    norms = [torch.tensor(r.grad_norms, dtype=torch.float64) for r in (candidate, reference)]
+    torch.testing.assert_close(*norms, rtol=grad_rtol, atol=grad_atol, msg=lambda m: f"gradient norms differ\n{m}")
     assert set(candidate.grads) == set(reference.grads), (
         f"gradient names differ: {sorted(set(candidate.grads) ^ set(reference.grads))}")
     for name, expected in reference.grads.items():

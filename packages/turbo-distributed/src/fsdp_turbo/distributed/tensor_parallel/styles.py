@@ -1,0 +1,149 @@
+"""Parallel styles that torch does not ship, built on DTensor like torch's own.
+
+* :class:`ReplicateParallel`: a module left out of the TP plan keeps replicated
+  DTensor parameters, so every parameter lives on the TP mesh (one layout for the
+  optimizer, ``clip_grad_norm_`` and checkpoints).
+* :class:`GatherSequenceReplicateParallel`: the same for an unsharded output head
+  after sequence parallel: it gathers the sequence first.
+* :class:`HeadLocalParallel`: a module that acts per attention head on the
+  head-sharded activations (Qwen3's ``q_norm``/``k_norm``); its replicated weight
+  gets the sum of every rank's gradient.
+* :class:`PrepareHiddenStates`: converts a block's ``hidden_states`` input (the first
+  positional tensor or the ``hidden_states`` keyword) once to a replicated DTensor,
+  so the colwise projections that share it cost one collective, not one each.
+* :class:`ScatterSequence`: the entry into the sequence-parallel region: the full
+  hidden states are cut to this rank's sequence slice (no communication forward).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.utils._pytree import tree_map
+
+SEQUENCE_DIM = 1
+
+
+def _replicate_own_parameters(target: nn.Module):
+    def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        if module is not target:
+            return
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            replicated = nn.Parameter(distribute_tensor(param, mesh, [Replicate()]), requires_grad=param.requires_grad)
+            module.register_parameter(param_name, replicated)
+
+    return partition
+
+
+def _to_local(outputs: Any) -> Any:
+    return tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t, outputs)
+
+
+class _LocalParamsStyle(ParallelStyle):
+    """Replicated own parameters; positional tensor inputs annotated with a placement."""
+
+    def _input_placement(self, tensor: torch.Tensor) -> Placement:
+        raise NotImplementedError
+
+    def _annotate(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        def convert(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                return DTensor.from_local(value, mesh, [self._input_placement(value)], run_check=False)
+            return value
+
+        return tuple(convert(v) for v in inputs)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, partition_fn=_replicate_own_parameters(module),
+            input_fn=self._annotate, output_fn=lambda mod, outputs, mesh: _to_local(outputs))
+
+
+class ReplicateParallel(_LocalParamsStyle):
+    def _input_placement(self, tensor: torch.Tensor) -> Placement:
+        return Replicate()
+
+
+class GatherSequenceReplicateParallel(_LocalParamsStyle):
+    """Replicated parameters at the exit of the sequence-parallel region (an unsharded
+    output head): the sequence shards are all-gathered first."""
+
+    def _annotate(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        def convert(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point():
+                sharded = DTensor.from_local(value, mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+                return sharded.redistribute(mesh, [Replicate()])
+            return value
+
+        return tuple(convert(v) for v in inputs)
+
+
+class HeadLocalParallel(_LocalParamsStyle):
+    """Inputs are ``[..., heads, head_dim]`` with the heads sharded over the TP mesh."""
+
+    def _input_placement(self, tensor: torch.Tensor) -> Placement:
+        return Shard(tensor.dim() - 2)
+
+
+def _hidden_states_slot(args: tuple, kwargs: dict) -> tuple[str, Any] | None:
+    if "hidden_states" in kwargs:
+        return "hidden_states", kwargs["hidden_states"]
+    for index, value in enumerate(args):
+        if isinstance(value, torch.Tensor):
+            return str(index), value
+    return None
+
+
+def _replace(args: tuple, kwargs: dict, slot: str, value: Any) -> tuple[tuple, dict]:
+    if slot == "hidden_states":
+        return args, {**kwargs, "hidden_states": value}
+    index = int(slot)
+    return (*args[:index], value, *args[index + 1 :]), kwargs
+
+
+class _HiddenStatesHook(ParallelStyle):
+    def _convert(self, hidden: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(mod: nn.Module, args: tuple, kwargs: dict):
+            slot = _hidden_states_slot(args, kwargs)
+            if slot is None:
+                raise ValueError(f"{type(mod).__name__} got no hidden_states tensor to prepare for tensor parallel")
+            return _replace(args, kwargs, slot[0], self._convert(slot[1], device_mesh))
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class PrepareHiddenStates(_HiddenStatesHook):
+    """Local hidden states (sequence-sharded when ``sequence_parallel``) -> replicated DTensor.
+
+    Backward is then one reduce-scatter (SP) or one all-reduce for all the block's
+    colwise projections together.
+    """
+
+    def __init__(self, *, sequence_parallel: bool) -> None:
+        self.layout: Placement = Shard(SEQUENCE_DIM) if sequence_parallel else Replicate()
+
+    def _convert(self, hidden: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        if isinstance(hidden, DTensor):
+            return hidden.redistribute(mesh, [Replicate()])
+        return DTensor.from_local(hidden, mesh, [self.layout], run_check=False).redistribute(mesh, [Replicate()])
+
+
+class ScatterSequence(_HiddenStatesHook):
+    """Full (replicated) hidden states -> this rank's local sequence slice."""
+
+    def _convert(self, hidden: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        length, ways = hidden.shape[SEQUENCE_DIM], mesh.size()
+        if length % ways:
+            raise ValueError(f"sequence parallel needs the sequence length ({length}) to be a multiple of the "
+                             f"tensor-parallel size ({ways}); pad the batch")
+        replicated = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
+        return replicated.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()
