@@ -1,0 +1,57 @@
+"""TP plan resolution in one process: which style each module gets, and why."""
+
+import pytest
+
+from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+from fsdp_turbo.distributed.tensor_parallel import resolve_tp_plan
+from fsdp_turbo.fsdp_turbo_config import TPPlanConfig
+
+pytest.importorskip("transformers")
+
+FULL = TPPlanConfig(colwise_parallel=["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj", "lm_head"],
+                    rowwise_parallel=["*.o_proj", "*.down_proj", "model.embed_tokens"],
+                    sequence_parallel=["*layernorm", "model.norm"], loss_parallel=True)
+
+
+def test_qwen3_full_plan_kinds():
+    kinds = resolve_tp_plan(tiny_hf_causal_lm("qwen3"), FULL, 2).kinds
+    assert kinds["model.layers.0.self_attn"] == "prepare_input"
+    assert kinds["model.layers.0.mlp"] == "prepare_input"
+    assert kinds["model.layers.0.self_attn.q_norm"] == "head_local"
+    assert kinds["model.layers.1.input_layernorm"] == "sequence_parallel"
+    assert kinds["model.layers.0"] == "scatter_sequence"
+    assert kinds["lm_head"] == "colwise" and kinds["model.embed_tokens"] == "rowwise"
+    assert "replicate" not in kinds.values()
+
+
+def test_llama_without_sp_replicates_the_norms():
+    plan = TPPlanConfig(colwise_parallel=["*.q_proj", "*.k_proj", "*.v_proj"], rowwise_parallel=["*.o_proj"])
+    resolved = resolve_tp_plan(tiny_hf_causal_lm("llama"), plan, 2)
+    assert resolved.kinds["model.norm"] == "replicate"
+    assert resolved.kinds["model.layers.0.mlp.gate_proj"] == "replicate"
+    assert resolved.kinds["lm_head"] == "replicate"
+    assert resolved.loss_head is None and resolved.tied == []
+
+
+def test_sp_without_a_sharded_head_gathers_before_it():
+    plan = TPPlanConfig(colwise_parallel=["*.q_proj"], rowwise_parallel=["*.o_proj"],
+                        sequence_parallel=["*layernorm", "model.norm"])
+    assert resolve_tp_plan(tiny_hf_causal_lm("llama"), plan, 2).kinds["lm_head"] == "gather_replicate"
+
+
+def test_tied_embeddings_are_recorded():
+    model = tiny_hf_causal_lm("llama", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    resolved = resolve_tp_plan(model, FULL, 2)
+    assert sorted(m for m, _ in resolved.tied[0]) == ["lm_head", "model.embed_tokens"]
+
+
+@pytest.mark.parametrize("plan,message", [
+    (TPPlanConfig(colwise_parallel=["model.layers.*.mlp"]), "which tensor parallel cannot shard"),
+    (TPPlanConfig(colwise_parallel=["*.q_proj"], loss_parallel=True), "output head"),
+    (TPPlanConfig(colwise_parallel=["*.q_proj"], sequence_parallel=["model.norm"]), "every norm"),
+])
+def test_bad_plans(plan, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_tp_plan(tiny_hf_causal_lm("llama"), plan, 2)
