@@ -15,16 +15,18 @@ def reference_run(kind, batches, model_kwargs=None, clip=None):
 def _facts(model, batch):
     from torch.distributed.tensor import DTensor
 
-    logits = model(input_ids=batch).logits
-    return {
+    facts = {
         "dtensor": {n: isinstance(p, DTensor) for n, p in model.named_parameters()},
         "placements": {n: str(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)},
         "local_rows": {n: p.to_local().shape[0] for n, p in model.named_parameters() if isinstance(p, DTensor)},
         "class": type(model).__name__,
         "config_passthrough": model.config.num_hidden_layers,
-        "logits": (type(logits).__name__, str(getattr(logits, "placements", None)),
-                   tuple(logits.to_local().shape if isinstance(logits, DTensor) else logits.shape)),
     }
+    # After the parameter facts: a forward leaves the FSDP root's parameters unsharded.
+    logits = model(input_ids=batch).logits
+    facts["logits"] = (type(logits).__name__, str(getattr(logits, "placements", None)),
+                       tuple(logits.to_local().shape if isinstance(logits, DTensor) else logits.shape))
+    return facts
 
 
 def facade_run(kind, batches, config, model_kwargs=None, clip=None, inspect=False):

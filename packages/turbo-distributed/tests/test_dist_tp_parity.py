@@ -44,9 +44,10 @@ def reference():
     return get
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
 def test_seed_quick_start_fsdp2_x_tp2(kind, reference):
-    """The seed's example scaled to 4 ranks: q/k/v colwise, o_proj rowwise, FSDP over the rest."""
+    """The seed's example scaled to 4 ranks: q/k/v colwise, o_proj rowwise, FSDP over the rest.
+    In Qwen3-MoE the router and the fused experts run replicated over TP."""
     config = {"fully_shard_parallel_size": 2, "tensor_parallel_size": 2,
               "fsdp_plan": {"num_to_forward_prefetch": 1, "num_to_backward_prefetch": 1},
               "tp_plan": {"colwise_parallel": QKV, "rowwise_parallel": ["*.o_proj"]}}

@@ -25,6 +25,7 @@ PRELOAD = (
     "transformers",
     "transformers.models.llama.modeling_llama",
     "transformers.models.qwen3.modeling_qwen3",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",
 )
 _context: mp.context.BaseContext | None = None
 

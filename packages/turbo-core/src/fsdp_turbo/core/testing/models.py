@@ -24,18 +24,23 @@ TINY_DEFAULTS: dict[str, Any] = {
 }
 
 
+TINY_MOE_DEFAULTS: dict[str, Any] = {"moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}
+
+
 def tiny_hf_causal_lm(kind: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32,
                       **overrides: Any) -> nn.Module:
-    """A tiny ``LlamaForCausalLM`` or ``Qwen3ForCausalLM``; the same seed gives the same weights."""
+    """A tiny ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM`` (8 experts,
+    top-2); the same seed gives the same weights."""
     import transformers
 
     classes = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, TINY_MOE_DEFAULTS),
     }
     if kind not in classes:
         raise ValueError(f"unknown tiny model {kind!r}; use one of {sorted(classes)}")
-    config_cls, model_cls = classes[kind]
-    config = config_cls(**{**TINY_DEFAULTS, **overrides})
+    config_cls, model_cls, extra = classes[kind]
+    config = config_cls(**{**TINY_DEFAULTS, **extra, **overrides})
     seed_everything(seed)
     return model_cls(config).to(dtype)

@@ -16,7 +16,6 @@ from fsdp_turbo.core.model_inspect import attention_heads, repeated_blocks
 from fsdp_turbo.core.patterns import check_disjoint, match_modules
 from fsdp_turbo.distributed.tensor_parallel.styles import (
     SEQUENCE_DIM,
-    GatherSequenceReplicateParallel,
     HeadLocalParallel,
     PrepareHiddenStates,
     ReplicateParallel,
@@ -43,6 +42,10 @@ def _parent(name: str) -> str:
 
 def _own_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
+
+
+def _children_own_params(module: nn.Module) -> bool:
+    return any(any(True for _ in child.parameters()) for child in module.children())
 
 
 def _check_types_and_sizes(modules: dict[str, nn.Module], field_name: str, tp: int, colwise: bool) -> None:
@@ -109,7 +112,7 @@ def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int) -> ResolvedTP
     head_local = {
         name: module for name, module in model.named_modules()
         if name and name not in planned and _parent(name) in hook_parents
-        and _own_params(module) and not any(True for _ in module.children())
+        and _own_params(module) and not _children_own_params(module)
     }
 
     resolved.loss_head = _loss_head(model, plan, colwise)
@@ -139,7 +142,7 @@ def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int) -> ResolvedTP
             raise ConfigError("tp_plan.sequence_parallel", list(plan.sequence_parallel),
                               "sequence parallel needs an output head (get_output_embeddings()) to gather before")
         if head not in colwise:
-            resolved.styles[head], resolved.kinds[head] = GatherSequenceReplicateParallel(), "gather_replicate"
+            resolved.styles[head], resolved.kinds[head] = ReplicateParallel(gather_sequence=True), "gather_replicate"
     _replicate_the_rest(model, resolved, colwise, rowwise)
     resolved.tied = _check_tied(model, resolved)
     return resolved
@@ -187,7 +190,7 @@ def _replicate_the_rest(model: nn.Module, resolved: ResolvedTPPlan, colwise: dic
     for name, module in model.named_modules():
         if not name or name in resolved.styles or name in sharded or not _own_params(module):
             continue
-        if any(True for _ in module.children()):
+        if _children_own_params(module):
             raise ConfigError("tp_plan", name, "give its parameters their own leaf module, or shard it",
                               reason=f"{name} owns parameters and has sub-modules; TP cannot place them")
         resolved.styles[name], resolved.kinds[name] = ReplicateParallel(), "replicate"

@@ -2,9 +2,9 @@
 
 * :class:`ReplicateParallel`: a module left out of the TP plan keeps replicated
   DTensor parameters, so every parameter lives on the TP mesh (one layout for the
-  optimizer, ``clip_grad_norm_`` and checkpoints).
-* :class:`GatherSequenceReplicateParallel`: the same for an unsharded output head
-  after sequence parallel: it gathers the sequence first.
+  optimizer, ``clip_grad_norm_`` and checkpoints), while it computes on local
+  tensors. ``gather_sequence=True`` serves an unsharded output head after sequence
+  parallel.
 * :class:`HeadLocalParallel`: a module that acts per attention head on the
   head-sharded activations (Qwen3's ``q_norm``/``k_norm``); its replicated weight
   gets the sum of every rank's gradient.
@@ -44,8 +44,55 @@ def _to_local(outputs: Any) -> Any:
     return tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t, outputs)
 
 
+class ReplicateParallel(ParallelStyle):
+    """Parameters become replicated DTensors on the TP mesh; the module itself computes
+    on their local tensors, so any forward (routers, fused experts, norms) runs as is.
+
+    The local views come from ``to_local()``, so each gradient lands on the DTensor
+    parameter as ``Replicate``: correct because every TP rank sees the same inputs
+    outside the sharded regions. With ``gather_sequence`` the first floating input is
+    all-gathered from sequence shards first (an output head after sequence parallel).
+    """
+
+    def __init__(self, *, gather_sequence: bool = False) -> None:
+        self.gather_sequence = gather_sequence
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            replicated = distribute_tensor(param.detach(), device_mesh, [Replicate()])
+            module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        saved: list[dict[str, nn.Parameter]] = []
+
+        def swap_in(mod: nn.Module, args: tuple):
+            # Whatever is registered now (possibly FSDP's unsharded parameter) is restored after.
+            current = {n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)}
+            saved.append(current)
+            for name, param in current.items():
+                mod._parameters[name] = param.to_local()
+            if self.gather_sequence:
+                return _gather_first_float(args, device_mesh)
+            return None
+
+        def swap_out(mod: nn.Module, args: tuple, output: Any):
+            mod._parameters.update(saved.pop())
+
+        module.register_forward_pre_hook(swap_in)
+        module.register_forward_hook(swap_out)
+        return module
+
+
+def _gather_first_float(args: tuple, mesh: DeviceMesh) -> tuple:
+    out, done = [], False
+    for value in args:
+        if not done and isinstance(value, torch.Tensor) and value.is_floating_point():
+            sharded = DTensor.from_local(value, mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+            value, done = sharded.redistribute(mesh, [Replicate()]).to_local(), True
+        out.append(value)
+    return tuple(out)
+
+
 class _LocalParamsStyle(ParallelStyle):
-    """Replicated own parameters; positional tensor inputs annotated with a placement."""
+    """Replicated own parameters computing as DTensors; positional inputs annotated."""
 
     def _input_placement(self, tensor: torch.Tensor) -> Placement:
         raise NotImplementedError
@@ -62,25 +109,6 @@ class _LocalParamsStyle(ParallelStyle):
         return distribute_module(
             module, device_mesh, partition_fn=_replicate_own_parameters(module),
             input_fn=self._annotate, output_fn=lambda mod, outputs, mesh: _to_local(outputs))
-
-
-class ReplicateParallel(_LocalParamsStyle):
-    def _input_placement(self, tensor: torch.Tensor) -> Placement:
-        return Replicate()
-
-
-class GatherSequenceReplicateParallel(_LocalParamsStyle):
-    """Replicated parameters at the exit of the sequence-parallel region (an unsharded
-    output head): the sequence shards are all-gathered first."""
-
-    def _annotate(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        def convert(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point():
-                sharded = DTensor.from_local(value, mesh, [Shard(SEQUENCE_DIM)], run_check=False)
-                return sharded.redistribute(mesh, [Replicate()])
-            return value
-
-        return tuple(convert(v) for v in inputs)
 
 
 class HeadLocalParallel(_LocalParamsStyle):
