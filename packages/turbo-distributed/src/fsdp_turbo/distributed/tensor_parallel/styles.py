@@ -91,31 +91,21 @@ def _gather_first_float(args: tuple, mesh: DeviceMesh) -> tuple:
     return tuple(out)
 
 
-class _LocalParamsStyle(ParallelStyle):
-    """Replicated own parameters computing as DTensors; positional inputs annotated."""
-
-    def _input_placement(self, tensor: torch.Tensor) -> Placement:
-        raise NotImplementedError
-
-    def _annotate(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        def convert(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                return DTensor.from_local(value, mesh, [self._input_placement(value)], run_check=False)
-            return value
-
-        return tuple(convert(v) for v in inputs)
+class HeadLocalParallel(ParallelStyle):
+    """A module acting per head on ``[..., heads, head_dim]`` inputs whose heads are sharded
+    over the TP mesh. It computes on DTensors, so its replicated weight's gradient is the
+    sum over every rank's heads."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module, device_mesh, partition_fn=_replicate_own_parameters(module),
-            input_fn=self._annotate, output_fn=lambda mod, outputs, mesh: _to_local(outputs))
+        def annotate(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(
+                DTensor.from_local(v, mesh, [Shard(v.dim() - 2)], run_check=False)
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) else v
+                for v in inputs
+            )
 
-
-class HeadLocalParallel(_LocalParamsStyle):
-    """Inputs are ``[..., heads, head_dim]`` with the heads sharded over the TP mesh."""
-
-    def _input_placement(self, tensor: torch.Tensor) -> Placement:
-        return Shard(tensor.dim() - 2)
+        return distribute_module(module, device_mesh, partition_fn=_replicate_own_parameters(module),
+                                 input_fn=annotate, output_fn=lambda mod, outputs, mesh: _to_local(outputs))
 
 
 def _hidden_states_slot(args: tuple, kwargs: dict) -> tuple[str, Any] | None:
