@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -156,12 +157,26 @@ class PrepareHiddenStates(_HiddenStatesHook):
 
 
 class ScatterSequence(_HiddenStatesHook):
-    """Full (replicated) hidden states -> this rank's local sequence slice."""
+    """Full (replicated) hidden states -> this rank's local sequence slice.
+
+    Idempotent: activation recompute re-runs the block with the inputs it saved, which
+    are already this hook's output, and those must not be cut again.
+    """
+
+    def __init__(self) -> None:
+        # id -> weak reference; tensors compare by value, so no WeakSet.
+        self._produced: dict[int, weakref.ref] = {}
 
     def _convert(self, hidden: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        seen = self._produced.get(id(hidden))
+        if seen is not None and seen() is hidden:
+            return hidden
         length, ways = hidden.shape[SEQUENCE_DIM], mesh.size()
         if length % ways:
             raise ValueError(f"sequence parallel needs the sequence length ({length}) to be a multiple of the "
                              f"tensor-parallel size ({ways}); pad the batch")
         replicated = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
-        return replicated.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()
+        local = replicated.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()
+        key = id(local)
+        self._produced[key] = weakref.ref(local, lambda _, key=key: self._produced.pop(key, None))
+        return local
