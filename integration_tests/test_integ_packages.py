@@ -3,8 +3,13 @@
 import importlib
 from importlib.metadata import entry_points, version
 
+import pytest
+from torch import nn
+
 import fsdp_turbo
 from fsdp_turbo.core.plugin import ENTRY_POINT_GROUP, TransformRegistry
+from fsdp_turbo.fsdp_turbo import FSDPTurbo
+from fsdp_turbo.fsdp_turbo_config import ConfigError
 
 SUBPACKAGES = {
     "turbo-core": "fsdp_turbo.core",
@@ -33,3 +38,16 @@ def test_meta_package_requires_every_package():
 
     required = {r.split(">")[0].split("=")[0].split("[")[0].strip() for r in requires("fsdp-turbo")}
     assert {"turbo-core", "turbo-distributed", "turbo-memory", "turbo-quant"} <= required
+
+
+@pytest.mark.parametrize("switch,value,package", [
+    ("recompute", True, "turbo-memory"),
+    ("quantization_plan", {}, "turbo-quant"),
+])
+def test_unbuilt_feature_names_its_installed_package(monkeypatch, switch, value, package):
+    # Until their issues land these packages ship no transform; the facade must say so.
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError) as info:
+        FSDPTurbo({switch: value}, nn.Linear(2, 2))
+    assert info.value.field == switch
+    assert package in str(info.value) and "installed but has no" in str(info.value)

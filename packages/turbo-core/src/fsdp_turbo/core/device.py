@@ -82,18 +82,3 @@ def stream_context(stream: torch.Stream | None) -> Iterator[None]:
 def pinned_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device_type: str) -> torch.Tensor:
     """A host buffer, pinned where the device can copy from pinned memory asynchronously."""
     return torch.empty(shape, dtype=dtype, pin_memory=has_streams(device_type))
-
-
-def synchronize(device_type: str) -> None:
-    if device_type != "cpu":
-        torch.accelerator.synchronize()
-
-
-def max_memory_allocated(device_type: str) -> int:
-    """Peak device bytes since the last reset; 0 on CPU (use MemTracker there)."""
-    return 0 if device_type == "cpu" else torch.accelerator.max_memory_allocated()
-
-
-def reset_peak_memory(device_type: str) -> None:
-    if device_type != "cpu":
-        torch.accelerator.reset_peak_memory_stats()

@@ -35,6 +35,9 @@ class ResolvedTPPlan:
     tied: list[list[tuple[str, str]]] = field(default_factory=list)
     loss_head: str | None = None
 
+    def add(self, name: str, style: ParallelStyle, kind: str) -> None:
+        self.styles[name], self.kinds[name] = style, kind
+
 
 def _parent(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else ""
@@ -117,32 +120,31 @@ def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int) -> ResolvedTP
 
     resolved.loss_head = _loss_head(model, plan, colwise)
     for name in hook_parents:
-        resolved.styles[name], resolved.kinds[name] = PrepareHiddenStates(sequence_parallel=sp), "prepare_input"
+        resolved.add(name, PrepareHiddenStates(sequence_parallel=sp), "prepare_input")
     for name, module in colwise.items():
-        resolved.styles[name], resolved.kinds[name] = _colwise_style(
-            module, own_input=_parent(name) not in hook_parents, sp=sp, loss_parallel=name == resolved.loss_head), \
-            "colwise"
+        style = _colwise_style(module, own_input=_parent(name) not in hook_parents, sp=sp,
+                               loss_parallel=name == resolved.loss_head)
+        resolved.add(name, style, "colwise")
     for name, module in rowwise.items():
         if isinstance(module, nn.Embedding):
             style = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         else:
             style = RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM) if sp else Replicate())
-        resolved.styles[name], resolved.kinds[name] = style, "rowwise"
+        resolved.add(name, style, "rowwise")
     for name in sequence:
-        resolved.styles[name] = SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True)
-        resolved.kinds[name] = "sequence_parallel"
+        resolved.add(name, SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True), "sequence_parallel")
     for name in head_local:
-        resolved.styles[name], resolved.kinds[name] = HeadLocalParallel(), "head_local"
+        resolved.add(name, HeadLocalParallel(), "head_local")
     if sp:
         _check_sequence_region(model, plan, blocks, set(resolved.styles))
         first = next(iter(blocks))
-        resolved.styles[first], resolved.kinds[first] = ScatterSequence(), "scatter_sequence"
+        resolved.add(first, ScatterSequence(), "scatter_sequence")
         head = _output_head(model)
         if head is None:
             raise ConfigError("tp_plan.sequence_parallel", list(plan.sequence_parallel),
                               "sequence parallel needs an output head (get_output_embeddings()) to gather before")
         if head not in colwise:
-            resolved.styles[head], resolved.kinds[head] = ReplicateParallel(gather_sequence=True), "gather_replicate"
+            resolved.add(head, ReplicateParallel(gather_sequence=True), "gather_replicate")
     _replicate_the_rest(model, resolved, colwise, rowwise)
     resolved.tied = _check_tied(model, resolved)
     return resolved
@@ -193,7 +195,7 @@ def _replicate_the_rest(model: nn.Module, resolved: ResolvedTPPlan, colwise: dic
         if _children_own_params(module):
             raise ConfigError("tp_plan", name, "give its parameters their own leaf module, or shard it",
                               reason=f"{name} owns parameters and has sub-modules; TP cannot place them")
-        resolved.styles[name], resolved.kinds[name] = ReplicateParallel(), "replicate"
+        resolved.add(name, ReplicateParallel(), "replicate")
 
 
 def _check_tied(model: nn.Module, resolved: ResolvedTPPlan) -> list[list[tuple[str, str]]]:
