@@ -1,0 +1,57 @@
+"""Non-reentrant activation checkpointing on chosen modules, without changing their names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint
+
+from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.memory.recompute.policy import context_fn_for
+
+RECOMPUTE_MARK = "_fsdp_turbo_recompute"
+_CACHE_KWARGS = ("past_key_values", "layer_past")
+
+
+def _drop_kv_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    # An HF layer writes its KV cache in forward; the recompute would write it again and
+    # then attend over twice the keys. Training needs no cache, so (as HF's own gradient
+    # checkpointing does) the checkpointed layer gets none.
+    if not (module.training and torch.is_grad_enabled()):
+        return None
+    if not any(kwargs.get(name) is not None for name in _CACHE_KWARGS) and not kwargs.get("use_cache"):
+        return None
+    kwargs = dict(kwargs)
+    for name in _CACHE_KWARGS:
+        if kwargs.get(name) is not None:
+            kwargs[name] = None
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def is_recomputed(module: nn.Module) -> bool:
+    return bool(getattr(module, RECOMPUTE_MARK, False))
+
+
+def apply_recompute(modules: Iterable[nn.Module], policy: str | Sequence[str] = "full") -> list[nn.Module]:
+    """Checkpoint each module in place: its activations are recomputed in backward.
+
+    torch's composable ``checkpoint`` works through forward hooks, so parameter names,
+    ``state_dict`` keys and any later ``fully_shard`` on the same module are unchanged;
+    FSDP's all-gather hook runs before checkpoint's, so it stays outside the recomputed
+    region. ``policy``: ``'full'``, ``'selective'`` or a list of op names to save.
+    """
+    context_fn = context_fn_for(policy)
+    modules = list(modules)
+    for module in modules:
+        if is_recomputed(module):
+            raise ConfigError("recompute_plan", type(module).__name__, "apply recompute once per module",
+                              reason="the module is already checkpointed")
+    for module in modules:
+        module.register_forward_pre_hook(_drop_kv_cache, with_kwargs=True)
+        checkpoint(module, context_fn=context_fn) if context_fn else checkpoint(module)
+        setattr(module, RECOMPUTE_MARK, True)
+    return modules
