@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -280,6 +281,9 @@ class FSDPTurboConfig(_ConfigBase):
             check_int(self.expert_fully_shard_parallel_size, "expert_fully_shard_parallel_size", minimum=1)
         for name, kind in self._nested.items():
             value = getattr(self, name)
+            if isinstance(value, Mapping):
+                value = kind.from_dict(dict(value))
+                _set(self, name, value)
             if value is not None and not isinstance(value, kind):
                 raise ConfigError(name, value, f"use {kind.__name__}(...) or a mapping of its fields")
         self._check_plans_match_sizes()

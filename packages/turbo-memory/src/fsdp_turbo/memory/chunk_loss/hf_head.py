@@ -1,0 +1,182 @@
+"""Chunked loss inside an HF causal-LM's own forward: ``model(input_ids=..., labels=...)``
+returns the same loss, and the [tokens, vocab] logits are never built.
+
+The root's pre-hook records the labels; the head (called once, as a module, so FSDP's
+all-gather and reduce-scatter fire once per step) computes the chunked loss instead of
+logits; the model's ``loss_function`` hands that loss back; ``output.logits`` is None.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.memory.chunk_loss.function import chunked_cross_entropy
+from fsdp_turbo.memory.chunk_loss.vocab_shard import empty_logits, local_head, local_hidden
+
+HANDLE_ATTR = "_fsdp_turbo_chunk_loss"
+
+
+@dataclass(frozen=True)
+class ChunkLossSettings:
+    chunk_size: int = 1024
+    ignore_index: int = -100
+    z_loss_weight: float = 0.0
+    logit_softcap: float | None = None
+
+
+@dataclass
+class _Request:
+    labels: torch.Tensor | None
+    shift_labels: torch.Tensor | None
+    num_items: Any
+
+
+def resolve_head(model: nn.Module, head_module: str | None, *, field: str = "chunk_loss_plan.head_module"
+                 ) -> tuple[str, nn.Module]:
+    """The output head by name, else the model's output embedding. Raises ConfigError."""
+    if head_module is not None:
+        try:
+            head = model.get_submodule(head_module)
+        except AttributeError:
+            raise ConfigError(field, head_module, "name the output head module, e.g. 'lm_head'",
+                              reason="no such module") from None
+    else:
+        getter = getattr(model, "get_output_embeddings", None)
+        head = getter() if callable(getter) else None
+        if head is None:
+            raise ConfigError(field, None, "set chunk_loss_plan.head_module='lm_head' (your output head)",
+                              reason="the model has no output embedding to default to")
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ConfigError(field, head_module or type(head).__name__, "point it at a Linear-like head",
+                          reason="the head has no 2-D [vocab, hidden] weight")
+    name = next(n for n, m in model.named_modules() if m is head)
+    return name, head
+
+
+def _check_causal_lm(model: nn.Module) -> None:
+    if "labels" not in inspect.signature(model.forward).parameters or not hasattr(model, "loss_function"):
+        raise ConfigError("chunk_loss", True, "call fsdp_turbo.memory.chunked_cross_entropy in your own loss",
+                          reason=f"{type(model).__name__} is not an HF causal LM (no labels / loss_function)")
+
+
+def _shifted(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    # HF's ForCausalLMLoss: position t predicts token t+1; the last position predicts nothing.
+    return torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+class _HeadClassCache:
+    classes: dict[type, type] = {}
+
+    @classmethod
+    def chunking(cls, base: type) -> type:
+        if base not in cls.classes:
+            def forward(self, hidden, *args, **kwargs):
+                handle = getattr(self, HANDLE_ATTR)
+                request = handle.take_request()
+                if request is None:
+                    return base.forward(self, hidden, *args, **kwargs)
+                return handle.loss_instead_of_logits(self, hidden, request)
+
+            cls.classes[base] = type(f"ChunkedLoss{base.__name__}", (base,), {"forward": forward})
+        return cls.classes[base]
+
+
+class _LossPassthrough:
+    """The model's ``loss_function``: returns the chunked loss when the head computed one."""
+
+    def __init__(self, inner: Any, handle: ChunkedLossHandle) -> None:
+        self.inner, self.handle = inner, handle
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        loss = self.handle.take_loss()
+        return self.inner(*args, **kwargs) if loss is None else loss
+
+
+class ChunkedLossHandle:
+    """Chunked loss installed on an HF causal LM; ``remove()`` restores the model."""
+
+    def __init__(self, model: nn.Module, head: nn.Module, settings: ChunkLossSettings) -> None:
+        self.model, self.head, self.settings = model, head, settings
+        self._signature = inspect.signature(model.forward)
+        self._request: _Request | None = None
+        self._loss: torch.Tensor | None = None
+        self._base_class = type(head)
+        self._inner_loss = model.loss_function
+        setattr(head, HANDLE_ATTR, self)
+        head.__class__ = _HeadClassCache.chunking(type(head))
+        model.loss_function = _LossPassthrough(self._inner_loss, self)
+        self._hooks = [
+            model.register_forward_pre_hook(self._record_labels, with_kwargs=True),
+            model.register_forward_hook(self._finish, always_call=True),
+        ]
+
+    # ----- root hooks --------------------------------------------------------------------
+    def _record_labels(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        bound = self._signature.bind_partial(*args, **kwargs).arguments
+        extra = bound.get("kwargs", {}) if isinstance(bound.get("kwargs"), dict) else {}
+        labels, shift_labels = bound.get("labels"), extra.get("shift_labels")
+        self._request = None if labels is None and shift_labels is None else _Request(
+            labels, shift_labels, extra.get("num_items_in_batch"))
+        self._loss = None
+
+    def _finish(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        computed = self._request is None and self._loss is not None
+        self._request, self._loss = None, None
+        if getattr(output, "logits", None) is not None and (computed or getattr(output, "loss", None) is not None):
+            if output.logits.shape[-1] == 0:
+                output.logits = None
+        return output
+
+    # ----- head --------------------------------------------------------------------------
+    def take_request(self) -> _Request | None:
+        request, self._request = self._request, None
+        return request
+
+    def take_loss(self) -> torch.Tensor | None:
+        loss, self._loss = self._loss, None
+        return loss
+
+    def loss_instead_of_logits(self, head: nn.Module, hidden: torch.Tensor, request: _Request) -> torch.Tensor:
+        settings = self.settings
+        local = local_head(head.weight, getattr(head, "bias", None))
+        hidden_local = local_hidden(hidden, local)
+        labels = request.shift_labels
+        if labels is None:
+            labels = _shifted(request.labels, settings.ignore_index)
+        self._loss = chunked_cross_entropy(
+            hidden_local, local.weight, labels.to(hidden_local.device), bias=local.bias,
+            chunk_size=settings.chunk_size, ignore_index=settings.ignore_index,
+            num_items=request.num_items, z_loss_weight=settings.z_loss_weight,
+            logit_softcap=settings.logit_softcap, vocab_group=local.vocab_group, vocab_start=local.vocab_start)
+        return empty_logits(hidden, hidden_local)
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self.head.__class__ = self._base_class
+        delattr(self.head, HANDLE_ATTR)
+        self.model.loss_function = self._inner_loss
+
+
+def install_chunked_loss(model: nn.Module, *, head_module: str | None = None, chunk_size: int = 1024,
+                         ignore_index: int = -100, z_loss_weight: float = 0.0,
+                         logit_softcap: float | None = None) -> ChunkedLossHandle:
+    """Make ``model(..., labels=...)`` compute its loss chunk by chunk (HF causal LMs).
+
+    ``logit_softcap`` defaults to the model's ``final_logit_softcapping`` (Gemma), which
+    the model would otherwise apply to the logits it no longer builds.
+    """
+    _check_causal_lm(model)
+    _, head = resolve_head(model, head_module)
+    if hasattr(head, HANDLE_ATTR):
+        raise ConfigError("chunk_loss", True, "install chunked loss once", reason="the head already has it")
+    if logit_softcap is None:
+        logit_softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    return ChunkedLossHandle(model, head, ChunkLossSettings(chunk_size, ignore_index, z_loss_weight, logit_softcap))
