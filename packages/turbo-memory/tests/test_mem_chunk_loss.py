@@ -3,7 +3,7 @@ edge cases, and the peak memory (MemTracker) against the plain model's."""
 
 import pytest
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from fsdp_turbo.core.errors import ConfigError

@@ -107,6 +107,7 @@ class ChunkedLossHandle:
         self._signature = inspect.signature(model.forward)
         self._request: _Request | None = None
         self._loss: torch.Tensor | None = None
+        self._produced = False
         self._base_class = type(head)
         self._inner_loss = model.loss_function
         setattr(head, HANDLE_ATTR, self)
@@ -125,13 +126,14 @@ class ChunkedLossHandle:
         self._request = None if labels is None and shift_labels is None else _Request(
             labels, shift_labels, extra.get("num_items_in_batch"))
         self._loss = None
+        self._produced = False
 
     def _finish(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        computed = self._request is None and self._loss is not None
-        self._request, self._loss = None, None
-        if getattr(output, "logits", None) is not None and (computed or getattr(output, "loss", None) is not None):
-            if output.logits.shape[-1] == 0:
-                output.logits = None
+        produced = self._produced
+        self._request, self._loss, self._produced = None, None, False
+        logits = getattr(output, "logits", None)
+        if produced and logits is not None and logits.shape[-1] == 0:
+            output.logits = None  # the empty stand-in, not logits anyone could use
         return output
 
     # ----- head --------------------------------------------------------------------------
@@ -155,6 +157,7 @@ class ChunkedLossHandle:
             chunk_size=settings.chunk_size, ignore_index=settings.ignore_index,
             num_items=request.num_items, z_loss_weight=settings.z_loss_weight,
             logit_softcap=settings.logit_softcap, vocab_group=local.vocab_group, vocab_start=local.vocab_start)
+        self._produced = True
         return empty_logits(hidden, hidden_local)
 
     def remove(self) -> None:

@@ -7,6 +7,7 @@ run twice (collectives), and recomputes the cheap element-wise ops around them.
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -47,7 +48,7 @@ def _canonical(name: str) -> str:
 
 def _exists(canonical: str) -> bool:
     # The functional collectives register their ops on import.
-    import torch.distributed._functional_collectives  # noqa: F401
+    importlib.import_module("torch.distributed._functional_collectives")
 
     namespace, _, rest = canonical.partition("::")
     op, _, overload = rest.partition(".")

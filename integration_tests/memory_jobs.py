@@ -1,0 +1,119 @@
+"""Rank functions for the memory features composed with FSDP x TP (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_turbo.core.testing import TrainRecord, make_token_batches, shard_rows, train_steps
+from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+from fsdp_turbo.core.testing.parity import full_tensor
+
+STEPS = 3
+BATCHES = make_token_batches(vocab_size=256, global_batch=8, seq_len=16, steps=STEPS)
+QKV = ["*.q_proj", "*.k_proj", "*.v_proj"]
+# FSDP=2 x TP=2 with sequence parallel norms and a vocab-parallel (loss-parallel) head.
+FSDP_TP = {
+    "fully_shard_parallel_size": 2,
+    "tensor_parallel_size": 2,
+    "tp_plan": {"colwise_parallel": [*QKV, "*.gate_proj", "*.up_proj", "lm_head"],
+                "rowwise_parallel": ["*.o_proj", "*.down_proj"],
+                "sequence_parallel": ["*layernorm", "model.norm"], "loss_parallel": True},
+}
+
+
+def labelled_loss(model, ids):
+    labels = ids.clone()
+    labels[:, :2] = -100  # some ignored labels, as real data has
+    return model(input_ids=ids, labels=labels).loss
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {name: full_tensor(p) for name, p in model.named_parameters()}
+
+
+def reference_run(kind="llama"):
+    model = tiny_hf_causal_lm(kind)
+    record = train_steps(model, BATCHES, loss_fn=labelled_loss)
+    return record, _params(model)
+
+
+def _plain_api(model, technique: str):
+    """Apply a technique's plain API to a model FSDPTurbo has already sharded."""
+    if technique == "recompute":
+        from fsdp_turbo.memory.recompute import apply_recompute
+
+        apply_recompute(model.model.layers, "selective")
+    elif technique == "chunk_loss":
+        from fsdp_turbo.memory.chunk_loss import install_chunked_loss
+
+        install_chunked_loss(model, chunk_size=12)
+    elif technique == "swap_activation":
+        from fsdp_turbo.memory.swap_activation import ActivationSwapper
+
+        ActivationSwapper(list(model.model.layers), force=True).attach()
+    elif technique != "swap_optimizer":
+        raise ValueError(technique)
+
+
+def _optimizer_factory(technique: str | None, plain: bool):
+    def build(params):
+        optimizer = torch.optim.AdamW(params, lr=1e-2, foreach=False)
+        if plain and technique == "swap_optimizer":
+            from fsdp_turbo.memory.swap_optimizer import swap_optimizer_states
+
+            swap_optimizer_states(optimizer, force=True)
+        return optimizer
+
+    return build
+
+
+def composed_run(kind: str, extra: dict, technique: str | None = None, plain: bool = False,
+                 ) -> tuple[TrainRecord, dict[str, torch.Tensor]]:
+    """FSDP=2 x TP=2 plus ``extra`` config fields, or plus ``technique``'s plain API."""
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    model = FSDPTurbo({**FSDP_TP, **extra}, tiny_hf_causal_lm(kind))
+    if plain and technique:
+        _plain_api(model, technique)
+    state = model.parallel_state
+    local = [shard_rows(b, state.dp_rank, state.dp_size) for b in BATCHES]
+    record = train_steps(model, local, loss_fn=labelled_loss, optimizer_factory=_optimizer_factory(technique, plain))
+    return record, _params(model)
+
+
+def baseline_and_candidate(kind: str, extra: dict, technique: str | None = None, plain: bool = False):
+    """Both layouts in the same ranks: FSDP x TP alone, then with the memory technique."""
+    return composed_run(kind, {}), composed_run(kind, extra, technique, plain)
+
+
+def fsdp_collectives_per_step(chunk_size: int) -> dict[str, int]:
+    """FSDP=2 with lm_head as its own unit: count all-gathers and reduce-scatters in one step."""
+    import torch.distributed as dist
+
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    config = {"fully_shard_parallel_size": 2, "chunk_loss": True, "chunk_loss_plan": {"chunk_size": chunk_size},
+              "fsdp_plan": {"apply_modules": ["model.layers.*", "lm_head"]}}
+    model = FSDPTurbo(config, tiny_hf_causal_lm("llama"))
+    counts = {"all_gather": 0, "reduce_scatter": 0, "head_calls": 0}
+    model.lm_head.register_forward_pre_hook(lambda *_: counts.__setitem__("head_calls", counts["head_calls"] + 1))
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    # FSDP2 calls these through the torch.distributed module (the names vary across torch releases).
+    names = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+             "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter"}
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+    for name, fn in originals.items():
+        setattr(dist, name, counting(names[name], fn))
+    try:
+        batch = shard_rows(BATCHES[0], dist.get_rank(), 2)
+        labelled_loss(model, batch).backward()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return counts
