@@ -40,14 +40,29 @@ def test_meta_package_requires_every_package():
     assert {"turbo-core", "turbo-distributed", "turbo-memory", "turbo-quant"} <= required
 
 
-@pytest.mark.parametrize("switch,value,package", [
-    ("recompute", True, "turbo-memory"),
-    ("quantization_plan", {}, "turbo-quant"),
-])
-def test_unbuilt_feature_names_its_installed_package(monkeypatch, switch, value, package):
-    # Until their issues land these packages ship no transform; the facade must say so.
+def test_missing_transform_names_its_installed_package():
+    # A feature package that is installed but lacks the transform (an older release).
+    from fsdp_turbo.core.parallel_state import ParallelState
+    from fsdp_turbo.fsdp_turbo import plan_transforms
+    from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
+
+    config = FSDPTurboConfig(recompute=True)
+    state = ParallelState.create(config.validate(1), 0, "cpu")
+    with pytest.raises(ConfigError) as info:
+        plan_transforms(config, nn.Linear(2, 2), state, transforms=TransformRegistry(load_entry_points=False))
+    assert info.value.field == "recompute"
+    assert "turbo-memory" in str(info.value) and "installed but has no" in str(info.value)
+
+
+def test_unbuilt_feature_names_its_installed_package(monkeypatch):
+    # turbo-quant ships no transform until its issue lands; the facade must say so.
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ConfigError) as info:
-        FSDPTurbo({switch: value}, nn.Linear(2, 2))
-    assert info.value.field == switch
-    assert package in str(info.value) and "installed but has no" in str(info.value)
+        FSDPTurbo({"quantization_plan": {}}, nn.Linear(2, 2))
+    assert info.value.field == "quantization_plan"
+    assert "turbo-quant" in str(info.value) and "installed but has no" in str(info.value)
+
+
+def test_memory_transforms_are_registered():
+    names = {t.name for t in TransformRegistry().all()}
+    assert {"recompute", "chunk_loss", "swap_activation", "swap_optimizer"} <= names
