@@ -79,10 +79,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-torch", action="store_true", help="skip torch's linear_cross_entropy")
     args = parser.parse_args()
     h, w, y = _inputs(args.tokens, args.hidden, args.vocab)
     impls = {"naive F.cross_entropy": naive, f"ours (chunk {args.chunk})": ours}
-    if hasattr(F, "linear_cross_entropy"):
+    if hasattr(F, "linear_cross_entropy") and not args.no_torch:
         impls["torch linear_cross_entropy (chunked)"] = torch_lce
     losses = {name: _run(fn, h, w, y, args.chunk) for name, fn in impls.items()}  # warm-up
     times: dict[str, list[float]] = {name: [] for name in impls}

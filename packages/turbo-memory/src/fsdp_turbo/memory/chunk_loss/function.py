@@ -97,8 +97,9 @@ def _forward_and_grads(hidden, weight, bias, labels, divisor, options: ChunkOpti
 
         # d loss / d logits = softmax * (1 + 2 z lse) - onehot(target), per valid row / divisor.
         row_scale = valid.float() / divisor
-        probs = logits.div_(sum_exp.unsqueeze(1))
-        probs.mul_((row_scale * (1.0 + 2.0 * z_weight * lse)).unsqueeze(1) if z_weight else row_scale.unsqueeze(1))
+        # One pass: normalise the exponentials and scale the row, together.
+        scale = row_scale / sum_exp
+        probs = logits.mul_((scale * (1.0 + 2.0 * z_weight * lse)).unsqueeze(1) if z_weight else scale.unsqueeze(1))
         probs.scatter_add_(1, index, -torch.where(mine, row_scale, 0.0).unsqueeze(1))
         if buffers.tanh is not None:
             tanh = buffers.tanh[:rows]

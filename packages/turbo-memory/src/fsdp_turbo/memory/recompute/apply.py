@@ -33,7 +33,12 @@ def _drop_kv_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
 
 
 def is_recomputed(module: nn.Module) -> bool:
-    return bool(getattr(module, RECOMPUTE_MARK, False))
+    """Whether activation checkpointing owns this module's saved tensors: ours, or torch's
+    composable ``checkpoint`` applied by the user (it pushes its own saved-tensor hooks)."""
+    if getattr(module, RECOMPUTE_MARK, False):
+        return True
+    state = checkpoint.state(module)
+    return state is not None and bool(getattr(state, "enable_hook", False))
 
 
 def apply_recompute(modules: Iterable[nn.Module], policy: str | Sequence[str] = "full") -> list[nn.Module]:

@@ -7,8 +7,6 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-RECOMPUTE_MARK = "_fsdp_turbo_recompute"
-
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # builds without torch.distributed
@@ -46,20 +44,3 @@ def state_storages(holders: Sequence[nn.Module]) -> set[int]:
             if tensor is not None:
                 found.add(local_tensor(tensor).untyped_storage().data_ptr())
     return found
-
-
-def is_recomputed(module: nn.Module) -> bool:
-    """Whether activation checkpointing owns this module's saved tensors.
-
-    Composable ``checkpoint`` pushes its own saved-tensor hooks in a forward pre-hook;
-    FSDPTurbo's recompute transform also marks the modules it wraps.
-    """
-    if getattr(module, RECOMPUTE_MARK, False):
-        return True
-    try:
-        from torch.distributed._composable import checkpoint
-    except ImportError:
-        return False
-    get_state = getattr(checkpoint, "state", None)
-    state = get_state(module) if get_state is not None else None
-    return state is not None and bool(getattr(state, "enable_hook", False))

@@ -10,7 +10,7 @@ from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Stage, Transform
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 from fsdp_turbo.memory.blocks import select_blocks
-from fsdp_turbo.memory.swap_activation.filters import is_recomputed
+from fsdp_turbo.memory.recompute.apply import is_recomputed
 from fsdp_turbo.memory.swap_activation.swapper import ActivationSwapper
 
 _log = get_logger(__name__)
