@@ -8,7 +8,6 @@ from torch import nn
 
 import fsdp_turbo
 from fsdp_turbo.core.plugin import ENTRY_POINT_GROUP, TransformRegistry
-from fsdp_turbo.fsdp_turbo import FSDPTurbo
 from fsdp_turbo.fsdp_turbo_config import ConfigError
 
 SUBPACKAGES = {
@@ -54,15 +53,6 @@ def test_missing_transform_names_its_installed_package():
     assert "turbo-memory" in str(info.value) and "installed but has no" in str(info.value)
 
 
-def test_unbuilt_feature_names_its_installed_package(monkeypatch):
-    # turbo-quant ships no transform until its issue lands; the facade must say so.
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(ConfigError) as info:
-        FSDPTurbo({"quantization_plan": {}}, nn.Linear(2, 2))
-    assert info.value.field == "quantization_plan"
-    assert "turbo-quant" in str(info.value) and "installed but has no" in str(info.value)
-
-
-def test_memory_transforms_are_registered():
+def test_feature_transforms_are_registered():
     names = {t.name for t in TransformRegistry().all()}
-    assert {"recompute", "chunk_loss", "swap_activation", "swap_optimizer"} <= names
+    assert {"recompute", "chunk_loss", "swap_activation", "swap_optimizer", "quantize"} <= names

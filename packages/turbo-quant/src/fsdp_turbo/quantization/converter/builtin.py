@@ -1,0 +1,38 @@
+"""The built-in converters."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fsdp_turbo.quantization.converter.registry import Converter, register_converter
+from fsdp_turbo.quantization.training.mx_experts import (
+    MXFusedExperts,
+    experts_unsupported,
+    is_fused_experts,
+    to_mx_experts,
+)
+from fsdp_turbo.quantization.training.mx_linear import MXLinear, to_mx_linear
+from fsdp_turbo.quantization.training.recipe import MXRecipe
+
+
+def _linear_unsupported(module: nn.Linear, recipe: MXRecipe) -> str | None:
+    # forward blocks run along in_features, dgrad blocks along out_features.
+    bad = [f"{n}={v}" for n, v in (("in_features", module.in_features), ("out_features", module.out_features))
+           if v % recipe.block_size]
+    return f"{', '.join(bad)} not divisible by block_size={recipe.block_size}" if bad else None
+
+
+MX_LINEAR = register_converter(Converter(
+    name="mx_linear",
+    handles=lambda m: isinstance(m, nn.Linear) and not isinstance(m, MXLinear),
+    unsupported=_linear_unsupported,
+    convert=lambda m, recipe: to_mx_linear(m, recipe),
+))
+
+
+MX_EXPERTS = register_converter(Converter(
+    name="mx_experts",
+    handles=lambda m: is_fused_experts(m) and not isinstance(m, MXFusedExperts),
+    unsupported=experts_unsupported,
+    convert=lambda m, recipe: to_mx_experts(m, recipe),
+))

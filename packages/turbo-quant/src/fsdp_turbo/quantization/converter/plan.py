@@ -1,0 +1,95 @@
+"""Which modules a ``QuantizeConfig`` converts, and with which converter. Raises, never mutates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.patterns import match_modules
+from fsdp_turbo.quantization.converter.registry import Converter, converter_names, get_converter
+from fsdp_turbo.quantization.training.recipe import MXRecipe
+
+FIELD = "quantization_plan"
+
+
+@dataclass(frozen=True)
+class Conversion:
+    name: str
+    module: nn.Module
+    converter: Converter
+
+
+def _inside(name: str, parent: str) -> bool:
+    return name == parent or name.startswith(parent + ".")
+
+
+def _converters(names: tuple[str, ...] | None) -> list[Converter]:
+    chosen = []
+    for name in names if names is not None else converter_names():
+        converter = get_converter(name)
+        if converter is None:
+            raise ConfigError(f"{FIELD}.converters", name, f"use one of {list(converter_names())}",
+                              reason="no converter by that name")
+        chosen.append(converter)
+    return chosen
+
+
+def _default_exclusions(model: nn.Module) -> dict[str, str]:
+    """Modules left high precision unless asked for: the output head and MoE routers."""
+    excluded: dict[str, str] = {}
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    for name, module in model.named_modules():
+        if module is head and head is not None:
+            excluded[name] = "it is the output head (its error lands directly on the loss)"
+        parent_name, _, leaf = name.rpartition(".")
+        if leaf in ("gate", "router") and hasattr(model.get_submodule(parent_name), "experts"):
+            excluded[name] = "it is an MoE router (routing decisions are precision-sensitive)"
+    return excluded
+
+
+def plan_conversion(model: nn.Module, plan) -> list[Conversion]:
+    """Resolve ``plan`` (a ``QuantizeConfig``) on ``model``.
+
+    Default (no ``apply_modules``): every module a converter handles, except the output head,
+    routers, ``ignored_modules`` and modules whose dims do not divide the block (skipped).
+    With ``apply_modules``: the convertible modules at or under each match; a head, a router
+    or an unsupported module among them is a ConfigError (exclude it with ``ignored_modules``).
+    """
+    converters = _converters(plan.converters)
+    recipe = MXRecipe.from_config(plan)
+    ignored = (list(match_modules(model, plan.ignored_modules, field=f"{FIELD}.ignored_modules", outermost=True))
+               if plan.ignored_modules else [])
+    picked = (list(match_modules(model, plan.apply_modules, field=f"{FIELD}.apply_modules"))
+              if plan.apply_modules is not None else None)
+    excluded = _default_exclusions(model)
+    conversions = []
+    for name, module in model.named_modules():
+        converter = next((c for c in converters if c.handles(module)), None)
+        if converter is None or any(_inside(name, skip) for skip in ignored):
+            continue
+        if picked is not None and not any(_inside(name, p) for p in picked):
+            continue
+        problem = excluded.get(name) or converter.unsupported(module, recipe)
+        if problem is not None:
+            if picked is not None:
+                raise ConfigError(f"{FIELD}.apply_modules", name, f"add {name!r} to ignored_modules",
+                                  reason=f"{converter.name} cannot or should not convert it: {problem}")
+            continue
+        conversions.append(Conversion(name, module, converter))
+    if picked is not None and not conversions:
+        raise ConfigError(f"{FIELD}.apply_modules", list(plan.apply_modules),
+                          f"pick modules one of {[c.name for c in converters]} can convert",
+                          reason="the patterns match no convertible module")
+    return conversions
+
+
+def convert_model(model: nn.Module, plan) -> dict[str, str]:
+    """Convert in place what ``plan`` picks; returns ``{module name: converter name}``."""
+    conversions = plan_conversion(model, plan)
+    recipe = MXRecipe.from_config(plan)
+    for conversion in conversions:
+        conversion.converter.convert(conversion.module, recipe)
+    return {c.name: c.converter.name for c in conversions}

@@ -1,0 +1,76 @@
+"""MX training for fused 3-D MoE experts (transformers v5 form: ``gate_up_proj [E, 2I, H]``,
+``down_proj [E, H, I]``, forward ``(hidden_states, top_k_index, top_k_weights)``).
+
+Tokens are sorted expert-major once; each expert's two GEMMs run through the MX linear
+function on its token group, so every group's weight-gradient GEMM quantizes along its own
+tokens, padded with zeros to the block size. Recognised by form, not by class name.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from fsdp_turbo.quantization.training.mx_linear_function import mx_linear
+from fsdp_turbo.quantization.training.recipe import MXRecipe
+
+_FORWARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+        return False
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
+        return False
+    _, two_inter, hidden = gate_up.shape
+    if down.shape[1:] != (hidden, two_inter // 2) or not hasattr(module, "act_fn"):
+        return False
+    return tuple(inspect.signature(module.forward).parameters)[:3] == _FORWARD_ARGS
+
+
+def experts_unsupported(module: nn.Module, recipe: MXRecipe) -> str | None:
+    _, two_inter, hidden = module.gate_up_proj.shape
+    bad = [f"{n}={v}" for n, v in (("hidden", hidden), ("intermediate", two_inter // 2)) if v % recipe.block_size]
+    return f"{', '.join(bad)} not divisible by block_size={recipe.block_size}" if bad else None
+
+
+class MXFusedExperts(nn.Module):
+    """Mixed into the experts' own class by :func:`to_mx_experts`; parameters are untouched."""
+
+    mx_recipe: MXRecipe
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        num_experts = self.gate_up_proj.shape[0]
+        top_k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=num_experts).tolist()
+        tokens = order // top_k
+        grouped = hidden_states[tokens]
+        outputs = []
+        start = 0
+        for expert, count in enumerate(counts[:num_experts]):
+            if count:
+                x = grouped[start:start + count]
+                gate, up = mx_linear(x, self.gate_up_proj[expert], None, self.mx_recipe).chunk(2, dim=-1)
+                outputs.append(mx_linear(self.act_fn(gate) * up, self.down_proj[expert], None, self.mx_recipe))
+            start += count
+        routed = torch.cat(outputs) * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        final = torch.zeros_like(hidden_states)
+        return final.index_add_(0, tokens[: routed.shape[0]], routed.to(final.dtype))
+
+
+_subclasses: dict[type, type] = {}
+
+
+def to_mx_experts(module: nn.Module, recipe: MXRecipe) -> nn.Module:
+    base = type(module)
+    if issubclass(base, MXFusedExperts):
+        raise ValueError(f"{base.__name__} is already MX")
+    module.__class__ = _subclasses.setdefault(base, type(f"MX{base.__name__}", (MXFusedExperts, base), {}))
+    module.mx_recipe = recipe
+    return module

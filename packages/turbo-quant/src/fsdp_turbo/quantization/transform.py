@@ -1,0 +1,51 @@
+"""The facade's ``quantize`` transform: the first one, so later transforms see MX modules."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.parallel_state import ParallelState
+from fsdp_turbo.core.patterns import matches_any
+from fsdp_turbo.core.plugin import Stage, Transform
+from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
+from fsdp_turbo.quantization.converter import convert_model, plan_conversion
+
+_log = get_logger(__name__)
+
+
+def _check_tensor_parallel_blocks(model: nn.Module, config: FSDPTurboConfig, names: list[str]) -> None:
+    # Under TP each rank quantizes its shard: the sharded dim must still hold whole blocks.
+    tp, plan = config.tensor_parallel_size, config.tp_plan
+    if tp == 1 or plan is None:
+        return
+    block = config.quantization_plan.block_size
+    for name in names:
+        module = model.get_submodule(name)
+        for patterns, dim, label in ((plan.colwise_parallel, "out_features", "colwise"),
+                                     (plan.rowwise_parallel, "in_features", "rowwise")):
+            size = getattr(module, dim, None)
+            if size is not None and matches_any(name, patterns or ()) and (size // tp) % block:
+                raise ConfigError("quantization_plan.block_size", block,
+                                  f"use a block size dividing {size // tp}, or leave {name!r} out",
+                                  reason=f"{name} is {label} over tp={tp}: each rank holds {dim}={size // tp}")
+
+
+class QuantizeTransform(Transform):
+    name = "quantize"
+    stage = Stage.QUANTIZE
+
+    def is_enabled(self, config: FSDPTurboConfig, parallel_state: ParallelState) -> bool:
+        return config.quantization_plan is not None
+
+    def validate(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> None:
+        conversions = plan_conversion(model, config.quantization_plan)
+        _check_tensor_parallel_blocks(model, config, [c.name for c in conversions])
+
+    def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:
+        converted = convert_model(model, config.quantization_plan)
+        plan = config.quantization_plan
+        _log.info(f"quantize: {len(converted)} modules to {plan.quant_format} blocks of {plan.block_size} "
+                  f"({plan.scale_mode})")
+        return model
