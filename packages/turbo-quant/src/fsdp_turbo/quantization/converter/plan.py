@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import nn
@@ -50,13 +51,14 @@ def _default_exclusions(model: nn.Module) -> dict[str, str]:
     return excluded
 
 
-def plan_conversion(model: nn.Module, plan) -> list[Conversion]:
+def plan_conversion(model: nn.Module, plan, *, unsuitable: Mapping[str, str] | None = None) -> list[Conversion]:
     """Resolve ``plan`` (a ``QuantizeConfig``) on ``model``.
 
     Default (no ``apply_modules``): every module a converter handles, except the output head,
     routers, ``ignored_modules`` and modules whose dims do not divide the block (skipped).
     With ``apply_modules``: the convertible modules at or under each match; a head, a router
     or an unsupported module among them is a ConfigError (exclude it with ``ignored_modules``).
+    ``unsuitable`` adds modules the caller knows cannot convert (name -> why), treated alike.
     """
     converters = _converters(plan.converters)
     recipe = MXRecipe.from_config(plan)
@@ -64,7 +66,7 @@ def plan_conversion(model: nn.Module, plan) -> list[Conversion]:
                if plan.ignored_modules else [])
     picked = (list(match_modules(model, plan.apply_modules, field=f"{FIELD}.apply_modules"))
               if plan.apply_modules is not None else None)
-    excluded = _default_exclusions(model)
+    excluded = {**_default_exclusions(model), **(unsuitable or {})}
     conversions = []
     for name, module in model.named_modules():
         converter = next((c for c in converters if c.handles(module)), None)
@@ -86,9 +88,9 @@ def plan_conversion(model: nn.Module, plan) -> list[Conversion]:
     return conversions
 
 
-def convert_model(model: nn.Module, plan) -> dict[str, str]:
+def convert_model(model: nn.Module, plan, *, unsuitable: Mapping[str, str] | None = None) -> dict[str, str]:
     """Convert in place what ``plan`` picks; returns ``{module name: converter name}``."""
-    conversions = plan_conversion(model, plan)
+    conversions = plan_conversion(model, plan, unsuitable=unsuitable)
     recipe = MXRecipe.from_config(plan)
     for conversion in conversions:
         conversion.converter.convert(conversion.module, recipe)
