@@ -1,7 +1,8 @@
 """E8M0 block scales: byte ``S`` means ``2**(S - 127)``; ``0xFF`` is NaN.
 
-The scale exponent of a block is computed from the fp32 bit pattern of its amax with
-integer ops only (no log2, so no rounding at powers of two):
+The scale exponent of a block is computed from the bit pattern of its amax (fp32, or
+float64 for float64 input) with integer ops only (no log2, so no rounding at powers
+of two):
 
 * FLOOR (OCP MX v1.0): ``s = floor(log2(amax)) - emax_elem``, the unbiased fp32 exponent.
 * RCEIL (NVIDIA MXFP8): ``s = ceil(log2(amax / target))``. With ``amax = ma * 2**ea`` and
@@ -32,6 +33,7 @@ __all__ = [
     "block_scale_exponents",
     "e8m0_to_float32",
     "pow2_float32",
+    "pow2_float64",
 ]
 
 E8M0_BIAS = 127
@@ -39,37 +41,43 @@ E8M0_NAN = 0xFF
 E8M0_MIN_EXP = -127
 E8M0_MAX_EXP = 127
 
-_FP32_EXP_MASK = 0xFF
-_FP32_MAN_MASK = 0x7FFFFF
+# (mantissa bits, exponent bias) of the float layouts whose bit patterns amax may come in.
+_LAYOUTS = {torch.int32: (23, 127, torch.float32), torch.int64: (52, 1023, torch.float64)}
 
 
-def _fields(value: float) -> tuple[int, int]:
-    """(biased exponent, mantissa field) of a normal fp32 ``value``."""
-    bits = int(torch.tensor(value, dtype=torch.float32).view(torch.int32))
-    return (bits >> 23) & _FP32_EXP_MASK, bits & _FP32_MAN_MASK
+def _fields(value: float, mant_bits: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(unbiased exponent, mantissa field) of a normal ``value`` in the layout of ``dtype``."""
+    int_dtype = torch.int32 if dtype == torch.float32 else torch.int64
+    bits = int(torch.tensor(value, dtype=dtype).view(int_dtype))
+    bias = 127 if dtype == torch.float32 else 1023
+    return (bits >> mant_bits) - bias, bits & ((1 << mant_bits) - 1)
 
 
 def block_scale_exponents(
     amax_bits: torch.Tensor, scale_mode: str, emax_elem: int, target: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale exponents and E8M0 bytes of blocks from the int32 bits of their |amax|.
+    """Scale exponents and E8M0 bytes of blocks from the bits of their |amax|.
 
-    ``amax_bits`` holds non-negative fp32 bit patterns (sign cleared); NaN patterns
-    sort above Inf, so an integer max over ``|x|`` bits keeps any NaN. Returns
-    ``(s, codes)``: int32 exponents clamped to [-127, 127] and uint8 E8M0 bytes (0xFF
-    where amax is Inf/NaN). ``target`` is the RCEIL target (ignored by FLOOR).
+    ``amax_bits`` holds non-negative bit patterns (sign cleared) of fp32 (int32) or
+    float64 (int64) values; NaN patterns sort above Inf, so an integer max over ``|x|``
+    bits keeps any NaN. Returns ``(s, codes)``: int32 exponents clamped to [-127, 127]
+    and uint8 E8M0 bytes (0xFF where amax is Inf/NaN). ``target`` is the RCEIL target
+    (ignored by FLOOR).
     """
-    biased = amax_bits >> 23  # 0: zero or fp32 subnormal; 255: Inf or NaN
+    mant_bits, bias, float_dtype = _LAYOUTS[amax_bits.dtype]
+    biased = amax_bits >> mant_bits  # all ones: Inf or NaN
+    exponent = biased - bias
     if scale_mode == "floor":
-        s = biased - (127 + emax_elem)
+        s = exponent - emax_elem
     elif scale_mode == "rceil":
-        t_biased, t_man = _fields(target)
-        s = biased - t_biased + ((amax_bits & _FP32_MAN_MASK) > t_man).to(torch.int32)
+        t_exp, t_man = _fields(target, mant_bits, float_dtype)
+        s = exponent - t_exp + ((amax_bits & ((1 << mant_bits) - 1)) > t_man).to(exponent.dtype)
     else:
         raise ValueError(f"unknown scale_mode {scale_mode!r}; expected 'floor' or 'rceil'")
     # Tiny-amax policy: below 2**-126 (zero included) take the minimum scale.
-    s = torch.where(biased == 0, E8M0_MIN_EXP, s).clamp_(E8M0_MIN_EXP, E8M0_MAX_EXP)
-    codes = torch.where(biased == _FP32_EXP_MASK, E8M0_NAN, s + E8M0_BIAS).to(torch.uint8)
+    s = torch.where(exponent < -126, E8M0_MIN_EXP, s).clamp_(E8M0_MIN_EXP, E8M0_MAX_EXP).to(torch.int32)
+    nonfinite = biased == (1 << (amax_bits.element_size() * 8 - 1 - mant_bits)) - 1
+    codes = torch.where(nonfinite, E8M0_NAN, s + E8M0_BIAS).to(torch.uint8)
     return s, codes
 
 
@@ -78,6 +86,11 @@ def pow2_float32(exponent: torch.Tensor) -> torch.Tensor:
     exponent = exponent.to(torch.int32)
     bits = torch.where(exponent >= -126, (exponent + 127) << 23, 1 << 22)
     return bits.view(torch.float32)
+
+
+def pow2_float64(exponent: torch.Tensor) -> torch.Tensor:
+    """Exactly ``2.0**exponent`` in float64 for int exponents in [-1022, 1023]."""
+    return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
 
 
 def e8m0_to_float32(codes: torch.Tensor) -> torch.Tensor:

@@ -21,12 +21,13 @@ import torch
 
 from fsdp_turbo.core.ops import call_op, register_op
 from fsdp_turbo.fsdp_turbo_config import SCALE_MODES
-from fsdp_turbo.quantization.mx_formats._common import Workspace, check_floating, row_chunks
+from fsdp_turbo.quantization.mx_formats._common import Workspace, as_float32, check_floating, row_chunks
 from fsdp_turbo.quantization.mx_formats.e8m0 import (
     E8M0_NAN,
     block_scale_exponents,
     e8m0_to_float32,
     pow2_float32,
+    pow2_float64,
 )
 from fsdp_turbo.quantization.mx_formats.formats import FORMATS, MXFormat, get_format
 from fsdp_turbo.quantization.mx_formats.fp8 import fp8_encode_into
@@ -103,14 +104,21 @@ def _quantize_rows(
     emax_elem: int,
     target: float,
 ) -> None:
-    xf = work.load_f32(x3)
-    # |x| as int32 bits: the integer max equals the float amax, keeps NaN (its bits sort
-    # above Inf's) and hands the scale code its exponent and mantissa fields directly.
-    abs_bits = torch.bitwise_and(xf.view(torch.int32), 0x7FFFFFFF, out=work.i32(x3.shape))
-    s, codes = block_scale_exponents(abs_bits.amax(dim=1), scale_mode, emax_elem, target)
-    # x * 2**-s is exact (a power of two; results too small for fp32 normals are far
-    # below every format's smallest code). It reuses the |x| buffer.
-    scaled = torch.mul(xf, pow2_float32(-s).unsqueeze(1), out=abs_bits.view(torch.float32))
+    if x3.dtype == torch.float64:
+        # Scale in float64 first, so that the fp32 narrowing only ever sees in-range values.
+        abs_bits = x3.view(torch.int64) & 0x7FFFFFFFFFFFFFFF
+        s, codes = block_scale_exponents(abs_bits.amax(dim=1), scale_mode, emax_elem, target)
+        scaled64 = (x3 * pow2_float64(-s).unsqueeze(1)).clamp_(-fmt.max_elem, fmt.max_elem)
+        scaled = work.f32(x3.shape).copy_(as_float32(scaled64))
+    else:
+        xf = work.load_f32(x3)
+        # |x| as int32 bits: the integer max equals the float amax, keeps NaN (its bits sort
+        # above Inf's) and hands the scale code its exponent and mantissa fields directly.
+        abs_bits = torch.bitwise_and(xf.view(torch.int32), 0x7FFFFFFF, out=work.i32(x3.shape))
+        s, codes = block_scale_exponents(abs_bits.amax(dim=1), scale_mode, emax_elem, target)
+        # x * 2**-s is exact (a power of two; results too small for fp32 normals are far
+        # below every format's smallest code). It reuses the |x| buffer.
+        scaled = torch.mul(xf, pow2_float32(-s).unsqueeze(1), out=abs_bits.view(torch.float32))
     if fmt.data_dtype == torch.uint8:  # HIF8
         scaled.clamp_(-fmt.max_elem, fmt.max_elem)
         hif8_encode_into(scaled, data)

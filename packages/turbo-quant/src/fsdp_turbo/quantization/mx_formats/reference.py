@@ -117,7 +117,7 @@ def encode_reference(values: torch.Tensor, quant_format: str) -> torch.Tensor:
     positive = sorted((value, code) for code, value in table.items() if code < 0x80)
     grid = torch.tensor([value for value, _ in positive], dtype=torch.float64)
     codes = torch.tensor([code for _, code in positive], dtype=torch.int64)
-    v = values.double()
+    v = values.double().contiguous()
     a = v.abs()
     index = torch.searchsorted(grid, torch.where(torch.isnan(a), 0.0, a)).clamp(max=len(positive) - 1)
     found = grid[index] == a
@@ -179,9 +179,10 @@ def quantize_mx_naive(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain torch version along the last axis: (codes, scale bytes), both uint8.
 
-    fp32 throughout except the per-block log2 (float64, so that floor/ceil never
-    round across a power of two). FP8 elements use torch's float8 cast after the clamp;
-    HIF8 elements use ``hif8_round_reference``.
+    fp32 throughout (float64 input is narrowed with ``.float()`` first) except the
+    per-block log2 (float64, so that floor/ceil never round across a power of two).
+    FP8 elements use torch's float8 cast after the clamp; HIF8 elements use
+    ``hif8_round_reference``.
     """
     fmt = get_format(quant_format)
     emax = fmt.emax_elem if emax_elem is None else emax_elem
