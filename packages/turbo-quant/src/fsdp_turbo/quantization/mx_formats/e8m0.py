@@ -4,7 +4,8 @@ The scale exponent of a block is computed from the bit pattern of its amax (fp32
 float64 for float64 input) with integer ops only (no log2, so no rounding at powers
 of two):
 
-* FLOOR (OCP MX v1.0): ``s = floor(log2(amax)) - emax_elem``, the unbiased fp32 exponent.
+* FLOOR (OCP MX v1.0): ``s = floor(log2(amax)) - emax_elem``; ``floor(log2(amax))`` is
+  amax's unbiased exponent field.
 * RCEIL (NVIDIA MXFP8): ``s = ceil(log2(amax / target))``. With ``amax = ma * 2**ea`` and
   ``target = mt * 2**et`` (``ma, mt`` in [1, 2)), ``amax / target`` has ``ceil(log2) =
   ea - et + (ma > mt)``: one integer compare of the mantissa fields. This equals
@@ -41,15 +42,14 @@ E8M0_NAN = 0xFF
 E8M0_MIN_EXP = -127
 E8M0_MAX_EXP = 127
 
-# (mantissa bits, exponent bias) of the float layouts whose bit patterns amax may come in.
+# (mantissa bits, exponent bias, float dtype) of the layouts amax bits may come in, by int dtype.
 _LAYOUTS = {torch.int32: (23, 127, torch.float32), torch.int64: (52, 1023, torch.float64)}
 
 
-def _fields(value: float, mant_bits: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(unbiased exponent, mantissa field) of a normal ``value`` in the layout of ``dtype``."""
-    int_dtype = torch.int32 if dtype == torch.float32 else torch.int64
-    bits = int(torch.tensor(value, dtype=dtype).view(int_dtype))
-    bias = 127 if dtype == torch.float32 else 1023
+def _fields(value: float, int_dtype: torch.dtype) -> tuple[int, int]:
+    """(unbiased exponent, mantissa field) of a normal ``value`` in the float layout of ``int_dtype``."""
+    mant_bits, bias, float_dtype = _LAYOUTS[int_dtype]
+    bits = int(torch.tensor(value, dtype=float_dtype).view(int_dtype))
     return (bits >> mant_bits) - bias, bits & ((1 << mant_bits) - 1)
 
 
@@ -64,13 +64,13 @@ def block_scale_exponents(
     and uint8 E8M0 bytes (0xFF where amax is Inf/NaN). ``target`` is the RCEIL target
     (ignored by FLOOR).
     """
-    mant_bits, bias, float_dtype = _LAYOUTS[amax_bits.dtype]
+    mant_bits, bias, _ = _LAYOUTS[amax_bits.dtype]
     biased = amax_bits >> mant_bits  # all ones: Inf or NaN
     exponent = biased - bias
     if scale_mode == "floor":
         s = exponent - emax_elem
     elif scale_mode == "rceil":
-        t_exp, t_man = _fields(target, mant_bits, float_dtype)
+        t_exp, t_man = _fields(target, amax_bits.dtype)
         s = exponent - t_exp + ((amax_bits & ((1 << mant_bits) - 1)) > t_man).to(exponent.dtype)
     else:
         raise ValueError(f"unknown scale_mode {scale_mode!r}; expected 'floor' or 'rceil'")

@@ -203,7 +203,8 @@ def hif8_encode(x: torch.Tensor) -> torch.Tensor:
     """HiF8 codes (uint8, shape of ``x``) of a floating tensor; round half away from zero.
 
     |x| >= 1.25 * 2**15 and +-Inf give +-Inf (0x6F / 0xEF), NaN gives 0x80, |x| < 2**-23
-    and +-0 give 0x00. float64 input is exact for magnitudes in fp32's normal range.
+    and +-0 give 0x00. float64 input rounds exactly (it narrows to fp32 with
+    round-to-odd, which never moves a value across a HiF8 rounding boundary).
     """
     check_floating(x)
     return call_op("hif8.encode", x.device.type, x)

@@ -207,9 +207,17 @@ def quantize_mx(
     (NVIDIA MXFP8: ``s = ceil(log2(amax / target))``, target = the largest element
     below ``2**(emax_elem + 1)``: 448, 57344, 15 for HIF8's default). ``emax_elem``
     defaults to 8 / 15 / 3; HIF8 uses 3 so block maxima land in its 3-mantissa-bit
-    region, e.g. 7 for gradients (RCEIL target 224). Raises ValueError for an unknown
-    format or mode, a non-floating ``x``, a bad axis, or a ``block_size`` that does not
-    divide ``x.shape[axis]``.
+    region, e.g. 7 for gradients (RCEIL target 224). Scaled elements are clamped to
+    +-max_elem (448, 57344, 2**15) before rounding, so nothing overflows to Inf.
+
+    Policies, identical in both modes: an all-zero block, or one whose amax is below
+    2**-126, gets the minimum scale 2**-127 (byte 0x00); a block holding Inf or NaN gets
+    scale 0xFF (NaN) and the NaN code in every element; other exponents are clamped to
+    [-127, 127]. float64 input is scaled in float64, so it rounds exactly too.
+
+    Raises ValueError for an unknown format or mode, a non-floating ``x``, a 0-dim
+    ``x``, a bad axis or ``emax_elem``, or a ``block_size`` that does not divide
+    ``x.shape[axis]``.
     """
     check_floating(x)
     fmt = get_format(quant_format)
