@@ -1,7 +1,8 @@
-"""turbo-quant: FSDPTurbo's MX block quantization and quantized training.
+"""turbo-quant: MX block quantization (E4M3, E5M2, HIF8), MX training and model converters.
 
-The MX formats, MXLinear and the converter framework land here (issue 5); this
-release ships the package skeleton only.
+- ``mx_formats``: ``quantize_mx`` / ``dequantize_mx``, ``hif8_encode`` / ``hif8_decode``;
+- ``training``: ``MXLinear`` and MX fused MoE experts;
+- ``converter``: ``convert_model(model, QuantizeConfig(...))`` and the converter registry.
 """
 
 __version__ = "0.1.0"
