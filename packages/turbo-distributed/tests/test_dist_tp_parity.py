@@ -103,3 +103,13 @@ def test_tied_embeddings_stay_tied(reference):
     for record, facts in results:
         assert "lm_head.weight" not in facts["dtensor"]  # still one parameter, listed once
         assert_parity(reference("llama", model_kwargs), record, **TOLERANCES)
+
+
+def test_moe_router_and_experts_inside_the_sequence_region(reference):
+    """Sequence parallel with Qwen3-MoE: the replicated router and experts see each rank's
+    tokens only, so their gradients are summed over TP (they were not: a 50% error)."""
+    config = {"tensor_parallel_size": 2,
+              "tp_plan": {"colwise_parallel": [*QKV, "lm_head"], "rowwise_parallel": ["*.o_proj"],
+                          "sequence_parallel": NORMS, "loss_parallel": True}}
+    for record in run_distributed(facade_run, 2, "qwen3_moe", BATCHES, config, timeout=300):
+        assert_parity(reference("qwen3_moe"), record, **TOLERANCES)

@@ -4,6 +4,7 @@ ConfigError, never communicates, so it runs on every rank before any collective.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -145,7 +146,11 @@ def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int) -> ResolvedTP
                               "sequence parallel needs an output head (get_output_embeddings()) to gather before")
         if head not in colwise:
             resolved.add(head, ReplicateParallel(gather_sequence=True), "gather_replicate")
-    _replicate_the_rest(model, resolved, colwise, rowwise)
+    # Inside the sequence region, a leftover module not behind a prepared (gathered) input
+    # sees only this rank's tokens: an MoE router or its experts.
+    sequence_local = (lambda name: any(name.startswith(b + ".") for b in block_names)
+                      and not any(name.startswith(p + ".") for p in hook_parents)) if sp else (lambda name: False)
+    _replicate_the_rest(model, resolved, colwise, rowwise, sequence_local)
     resolved.tied = _check_tied(model, resolved)
     return resolved
 
@@ -187,7 +192,8 @@ def _check_sequence_region(model: nn.Module, plan: TPPlanConfig, blocks: dict, s
                           reason=f"{len(missing)} norm module(s) would see sequence shards as if replicated")
 
 
-def _replicate_the_rest(model: nn.Module, resolved: ResolvedTPPlan, colwise: dict, rowwise: dict) -> None:
+def _replicate_the_rest(model: nn.Module, resolved: ResolvedTPPlan, colwise: dict, rowwise: dict,
+                        sequence_local: Callable[[str], bool]) -> None:
     sharded = set(colwise) | set(rowwise)
     for name, module in model.named_modules():
         if not name or name in resolved.styles or name in sharded or not _own_params(module):
@@ -195,7 +201,10 @@ def _replicate_the_rest(model: nn.Module, resolved: ResolvedTPPlan, colwise: dic
         if _children_own_params(module):
             raise ConfigError("tp_plan", name, "give its parameters their own leaf module, or shard it",
                               reason=f"{name} owns parameters and has sub-modules; TP cannot place them")
-        resolved.add(name, ReplicateParallel(), "replicate")
+        if sequence_local(name):
+            resolved.add(name, ReplicateParallel(sum_grads=True), "replicate_sequence_local")
+        else:
+            resolved.add(name, ReplicateParallel(), "replicate")
 
 
 def _check_tied(model: nn.Module, resolved: ResolvedTPPlan) -> list[list[tuple[str, str]]]:

@@ -4,7 +4,8 @@
   DTensor parameters, so every parameter lives on the TP mesh (one layout for the
   optimizer, ``clip_grad_norm_`` and checkpoints), while it computes on local
   tensors. ``gather_sequence=True`` serves an unsharded output head after sequence
-  parallel.
+  parallel; ``sum_grads=True`` serves a module inside the sequence-parallel region
+  (an MoE router or experts), whose ranks see different tokens.
 * :class:`HeadLocalParallel`: a module that acts per attention head on the
   head-sharded activations (Qwen3's ``q_norm``/``k_norm``); its replicated weight
   gets the sum of every rank's gradient.
@@ -41,6 +42,21 @@ def _replicate_own_parameters(target: nn.Module):
     return partition
 
 
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group (each rank saw other tokens)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def _to_local(outputs: Any) -> Any:
     return tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t, outputs)
 
@@ -50,13 +66,16 @@ class ReplicateParallel(ParallelStyle):
     on their local tensors, so any forward (routers, fused experts, norms) runs as is.
 
     The local views come from ``to_local()``, so each gradient lands on the DTensor
-    parameter as ``Replicate``: correct because every TP rank sees the same inputs
-    outside the sharded regions. With ``gather_sequence`` the first floating input is
-    all-gathered from sequence shards first (an output head after sequence parallel).
+    parameter as ``Replicate``: correct where every TP rank sees the same inputs. Inside
+    the sequence-parallel region the ranks see different tokens, so with ``sum_grads``
+    each local view's gradient is summed over the TP group first. With
+    ``gather_sequence`` the first floating input is all-gathered from sequence shards
+    first (an output head after sequence parallel).
     """
 
-    def __init__(self, *, gather_sequence: bool = False) -> None:
+    def __init__(self, *, gather_sequence: bool = False, sum_grads: bool = False) -> None:
         self.gather_sequence = gather_sequence
+        self.sum_grads = sum_grads
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, param in list(module.named_parameters(recurse=False)):
@@ -69,7 +88,10 @@ class ReplicateParallel(ParallelStyle):
             current = {n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)}
             saved.append(current)
             for name, param in current.items():
-                mod._parameters[name] = param.to_local()
+                local = param.to_local()
+                if self.sum_grads and local.requires_grad:
+                    local = _SumGradOverGroup.apply(local, device_mesh.get_group())
+                mod._parameters[name] = local
             if self.gather_sequence:
                 return _gather_first_float(args, device_mesh)
             return None

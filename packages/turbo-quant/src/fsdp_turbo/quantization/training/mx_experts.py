@@ -1,9 +1,11 @@
 """MX training for fused 3-D MoE experts (transformers v5 form: ``gate_up_proj [E, 2I, H]``,
 ``down_proj [E, H, I]``, forward ``(hidden_states, top_k_index, top_k_weights)``).
 
-Tokens are sorted expert-major once; each expert's two GEMMs run through the MX linear
-function on its token group, so every group's weight-gradient GEMM quantizes along its own
-tokens, padded with zeros to the block size. Recognised by form, not by class name.
+Tokens are sorted expert-major once and each expert's group is padded with zero rows to the
+block size; the two expert GEMMs are MX grouped GEMMs (``mx_grouped_function``), so every
+group's weight-gradient GEMM quantizes along its own tokens. Recognised by form, not by
+class name. Zero rows stay zero through ``act(gate) * up`` (``up`` is zero there), and their
+gradients are zero.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import inspect
 import torch
 from torch import nn
 
-from fsdp_turbo.quantization.training.mx_linear_function import mx_linear
+from fsdp_turbo.quantization.training.mx_grouped_function import mx_grouped_linear
 from fsdp_turbo.quantization.training.recipe import MXRecipe
 
 _FORWARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
@@ -44,24 +46,27 @@ class MXFusedExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        recipe = self.mx_recipe
         num_experts = self.gate_up_proj.shape[0]
-        top_k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=num_experts).tolist()
-        tokens = order // top_k
-        grouped = hidden_states[tokens]
-        outputs = []
-        start = 0
-        for expert, count in enumerate(counts[:num_experts]):
-            if count:
-                x = grouped[start:start + count]
-                gate, up = mx_linear(x, self.gate_up_proj[expert], None, self.mx_recipe).chunk(2, dim=-1)
-                outputs.append(mx_linear(self.act_fn(gate) * up, self.down_proj[expert], None, self.mx_recipe))
-            start += count
-        routed = torch.cat(outputs) * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+        routed = int(counts.sum())  # indices >= num_experts (dropped tokens) sort last
+        order = order[:routed]
+        tokens = order // top_k_index.shape[-1]
+        # Expert-major rows, each group padded with zero rows to a whole number of blocks.
+        padded = (counts + recipe.block_size - 1) // recipe.block_size * recipe.block_size
+        group_start = torch.cumsum(padded, 0) - padded
+        rank_in_group = torch.arange(routed, device=flat.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+        rows = group_start[flat[order]] + rank_in_group
+        x = hidden_states.new_zeros(int(padded.sum()), hidden_states.shape[-1])
+        x = x.index_copy(0, rows, hidden_states[tokens])
+        offsets = torch.cumsum(padded, 0)
+        gate, up = mx_grouped_linear(x, self.gate_up_proj, offsets, recipe).chunk(2, dim=-1)
+        out = mx_grouped_linear(self.act_fn(gate) * up, self.down_proj, offsets, recipe)
+        weighted = out[rows] * top_k_weights.reshape(-1)[order].unsqueeze(-1)
         final = torch.zeros_like(hidden_states)
-        return final.index_add_(0, tokens[: routed.shape[0]], routed.to(final.dtype))
+        return final.index_add_(0, tokens, weighted.to(final.dtype))
 
 
 _subclasses: dict[type, type] = {}
