@@ -136,3 +136,15 @@ def mx_reference_run(kind="llama"):
 def mx_composed_run(kind: str, extra: dict):
     """FSDP=2 x TP=2 (SP, loss-parallel head) with MXFP8 linears, plus ``extra`` config fields."""
     return composed_run(kind, {"quantization_plan": MX_PLAN, **extra})
+
+
+def fsdp_head_unit_run(kind: str = "llama"):
+    """FSDP=4 with the chunked head as its own unit (its weight is never re-gathered in backward)."""
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    config = {"fully_shard_parallel_size": 4, "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12},
+              "fsdp_plan": {"apply_modules": ["model.layers.*", "lm_head"], "num_to_backward_prefetch": 1}}
+    model = FSDPTurbo(config, tiny_hf_causal_lm(kind))
+    state = model.parallel_state
+    local = [shard_rows(b, state.dp_rank, state.dp_size) for b in BATCHES]
+    return train_steps(model, local, loss_fn=labelled_loss), _params(model)

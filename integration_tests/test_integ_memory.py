@@ -81,7 +81,16 @@ def test_chunked_head_gathers_and_reduces_once_per_step():
     one = run_distributed(fsdp_collectives_per_step, 2, 1024, timeout=300)[0]
     assert many == one
     assert many["head_calls"] == 1
-    # 2 layers + lm_head + root each gather in forward and reduce-scatter once. In backward
-    # the layers re-gather, and FSDP2's implicit backward prefetch (root -> previous unit)
-    # re-gathers the head although its gradient is already computed: 4 + 2 + 1.
-    assert many["reduce_scatter"] == 4 and many["all_gather"] == 4 + 2 + 1
+    # 2 layers + lm_head + root each gather in forward and reduce-scatter once; in backward
+    # only the layers re-gather (the root prefetches the last layer, not the head, whose
+    # gradient is already computed).
+    assert many["reduce_scatter"] == 4 and many["all_gather"] == 4 + 2
+
+
+def test_chunked_head_as_its_own_fsdp_unit_matches(reference):
+    from memory_jobs import fsdp_head_unit_run
+
+    ref_record, ref_params = reference
+    for record, params in run_distributed(fsdp_head_unit_run, 4, timeout=300):
+        assert_parity(ref_record, record, loss_rtol=1e-5, grad_rtol=1e-4, grad_atol=1e-6)
+        _assert_params_close(params, ref_params)

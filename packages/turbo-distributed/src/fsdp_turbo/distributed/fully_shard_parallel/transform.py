@@ -36,6 +36,31 @@ def offload_policy(plan: FSDPPlanConfig, device_type: str) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=has_streams(device_type)) if plan.cpu_offload else OffloadPolicy()
 
 
+def _chunked_head_unit(model: nn.Module, config: FSDPTurboConfig, units: dict[str, nn.Module]) -> nn.Module | None:
+    if not config.chunk_loss:
+        return None
+    name = config.chunk_loss_plan.head_module
+    if name is None:
+        getter = getattr(model, "get_output_embeddings", None)
+        head = getter() if callable(getter) else None
+    else:
+        head = model.get_submodule(name)
+    return head if any(unit is head for unit in units.values()) else None
+
+
+def _skip_prefetching_a_chunked_head(model: nn.Module, config: FSDPTurboConfig, units: dict[str, nn.Module]) -> None:
+    # A chunked-loss head computes its weight gradient in forward, so backward never needs
+    # its parameters; FSDP's implicit backward prefetch (root -> the unit before it in
+    # post-forward order, the head) would all-gather them for nothing. Prefetch the unit
+    # before the head instead.
+    head = _chunked_head_unit(model, config, units)
+    if head is None:
+        return
+    before = [unit for unit in units.values() if unit is not head]
+    if before:
+        model.set_modules_to_backward_prefetch([before[-1]])
+
+
 class FullyShardTransform(Transform):
     """``fully_shard`` each unit the plan picks (default: the repeated blocks), then the root."""
 
@@ -69,5 +94,6 @@ class FullyShardTransform(Transform):
                 units[index].set_modules_to_forward_prefetch(ahead)
             if behind:
                 units[index].set_modules_to_backward_prefetch(behind)
+        _skip_prefetching_a_chunked_head(model, config, selection.units)
         _log.info(f"fully_shard: {len(units)} units + root over mesh {options['mesh'].mesh.tolist()}")
         return model
