@@ -12,7 +12,7 @@ Each technique, via the facade and via its plain API, trains 3 AdamW steps (floa
 
 import pytest
 import torch
-from memory_jobs import baseline_and_candidate, reference_run
+from composed_jobs import baseline_and_candidate, reference_run
 
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 
@@ -75,7 +75,7 @@ def test_plain_api_with_fsdp2_x_tp2(technique, reference):
 def test_chunked_head_gathers_and_reduces_once_per_step():
     # lm_head is its own FSDP unit; 16 tokens per rank in chunks of 2 means 8 chunks, yet
     # the head is called once and FSDP moves its weight once each way, as with one chunk.
-    from memory_jobs import fsdp_collectives_per_step
+    from composed_jobs import fsdp_collectives_per_step
 
     many = run_distributed(fsdp_collectives_per_step, 2, 2, timeout=300)[0]
     one = run_distributed(fsdp_collectives_per_step, 2, 1024, timeout=300)[0]
@@ -88,7 +88,7 @@ def test_chunked_head_gathers_and_reduces_once_per_step():
 
 
 def test_chunked_head_as_its_own_fsdp_unit_matches(reference):
-    from memory_jobs import fsdp_head_unit_run
+    from composed_jobs import fsdp_head_unit_run
 
     ref_record, ref_params = reference
     for record, params in run_distributed(fsdp_head_unit_run, 4, timeout=300):

@@ -7,7 +7,7 @@ L2 1e-4 and per element 1e-4.
 
 import pytest
 import torch
-from memory_jobs import mx_composed_run, mx_reference_run
+from composed_jobs import mx_composed_run, mx_reference_run
 from test_integ_memory import _assert_params_close
 
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference

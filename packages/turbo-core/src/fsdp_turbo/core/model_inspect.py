@@ -47,3 +47,13 @@ def attention_heads(model: nn.Module) -> tuple[int | None, int | None]:
     heads = model_config_value(model, "num_attention_heads", "n_head", "num_heads")
     kv_heads = model_config_value(model, "num_key_value_heads", "n_kv_heads") or heads
     return heads, kv_heads
+
+
+def output_head(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(name, module) of the model's output head (HF ``get_output_embeddings()``), or ``None``."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if head is None:
+        return None
+    name = next((n for n, m in model.named_modules() if m is head and n), None)
+    return (name, head) if name is not None else None

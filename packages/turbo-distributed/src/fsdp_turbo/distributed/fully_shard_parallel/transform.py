@@ -7,6 +7,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from fsdp_turbo.core.device import has_streams
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.model_inspect import output_head
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Stage, Transform
 from fsdp_turbo.distributed.fully_shard_parallel.units import prefetch_plan, select_units
@@ -40,11 +41,8 @@ def _chunked_head_unit(model: nn.Module, config: FSDPTurboConfig, units: dict[st
     if not config.chunk_loss:
         return None
     name = config.chunk_loss_plan.head_module
-    if name is None:
-        getter = getattr(model, "get_output_embeddings", None)
-        head = getter() if callable(getter) else None
-    else:
-        head = model.get_submodule(name)
+    found = output_head(model) if name is None else (name, model.get_submodule(name))
+    head = found[1] if found else None
     return head if any(unit is head for unit in units.values()) else None
 
 

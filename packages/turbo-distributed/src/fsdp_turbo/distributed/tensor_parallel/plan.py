@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.core.model_inspect import attention_heads, repeated_blocks
+from fsdp_turbo.core.model_inspect import attention_heads, output_head, repeated_blocks
 from fsdp_turbo.core.patterns import check_disjoint, match_modules
 from fsdp_turbo.distributed.tensor_parallel.styles import (
     SEQUENCE_DIM,
@@ -73,12 +73,6 @@ def _check_heads(model: nn.Module, tp: int) -> None:
         # Replicating K/V heads across TP ranks is not supported: keep the shards even.
         raise ConfigError("tensor_parallel_size", tp, f"use a tensor_parallel_size that divides "
                           f"num_key_value_heads={kv_heads}", reason="key/value heads must split evenly")
-
-
-def _module_name(model: nn.Module, target: nn.Module | None) -> str | None:
-    if target is None:
-        return None
-    return next((n for n, m in model.named_modules() if m is target and n), None)
 
 
 def _tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
@@ -176,8 +170,8 @@ def _loss_head(model: nn.Module, plan: TPPlanConfig, colwise: dict[str, nn.Modul
 
 
 def _output_head(model: nn.Module) -> str | None:
-    getter = getattr(model, "get_output_embeddings", None)
-    return _module_name(model, getter() if callable(getter) else None)
+    found = output_head(model)
+    return found[0] if found else None
 
 
 def _check_sequence_region(model: nn.Module, plan: TPPlanConfig, blocks: dict, styled: set[str]) -> None:

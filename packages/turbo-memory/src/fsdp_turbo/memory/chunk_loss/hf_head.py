@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.model_inspect import output_head
 from fsdp_turbo.memory.chunk_loss.function import chunked_cross_entropy
 from fsdp_turbo.memory.chunk_loss.vocab_shard import empty_logits, local_head, local_hidden
 
@@ -47,11 +48,11 @@ def resolve_head(model: nn.Module, head_module: str | None, *, field: str = "chu
             raise ConfigError(field, head_module, "name the output head module, e.g. 'lm_head'",
                               reason="no such module") from None
     else:
-        getter = getattr(model, "get_output_embeddings", None)
-        head = getter() if callable(getter) else None
-        if head is None:
+        found = output_head(model)
+        if found is None:
             raise ConfigError(field, None, "set chunk_loss_plan.head_module='lm_head' (your output head)",
                               reason="the model has no output embedding to default to")
+        head = found[1]
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ConfigError(field, head_module or type(head).__name__, "point it at a Linear-like head",
@@ -60,7 +61,7 @@ def resolve_head(model: nn.Module, head_module: str | None, *, field: str = "chu
     return name, head
 
 
-def _check_causal_lm(model: nn.Module) -> None:
+def check_causal_lm(model: nn.Module) -> None:
     if "labels" not in inspect.signature(model.forward).parameters or not hasattr(model, "loss_function"):
         raise ConfigError("chunk_loss", True, "call fsdp_turbo.memory.chunked_cross_entropy in your own loss",
                           reason=f"{type(model).__name__} is not an HF causal LM (no labels / loss_function)")
@@ -176,7 +177,7 @@ def install_chunked_loss(model: nn.Module, *, head_module: str | None = None, ch
     ``logit_softcap`` defaults to the model's ``final_logit_softcapping`` (Gemma), which
     the model would otherwise apply to the logits it no longer builds.
     """
-    _check_causal_lm(model)
+    check_causal_lm(model)
     _, head = resolve_head(model, head_module)
     if hasattr(head, HANDLE_ATTR):
         raise ConfigError("chunk_loss", True, "install chunked loss once", reason="the head already has it")

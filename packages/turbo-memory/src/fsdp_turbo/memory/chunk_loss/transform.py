@@ -8,7 +8,7 @@ from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Stage, Transform
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
-from fsdp_turbo.memory.chunk_loss.hf_head import _check_causal_lm, install_chunked_loss, resolve_head
+from fsdp_turbo.memory.chunk_loss.hf_head import check_causal_lm, install_chunked_loss, resolve_head
 
 _log = get_logger(__name__)
 
@@ -22,7 +22,7 @@ class ChunkLossTransform(Transform):
         return config.chunk_loss
 
     def validate(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> None:
-        _check_causal_lm(model)
+        check_causal_lm(model)
         resolve_head(model, config.chunk_loss_plan.head_module)
 
     def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:

@@ -4,25 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import nn
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # builds without torch.distributed
-    DTensor = None  # type: ignore[assignment,misc]
-
-
-def is_dtensor(tensor: torch.Tensor) -> bool:
-    return DTensor is not None and isinstance(tensor, DTensor)
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (no autograd record), else the tensor itself."""
-    if is_dtensor(tensor):
-        with torch.no_grad():
-            return tensor.to_local()
-    return tensor
+from fsdp_turbo.memory.dtensors import local_tensor
 
 
 def state_holders(module: nn.Module) -> list[nn.Module]:

@@ -20,10 +20,9 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_turbo.core.device import detect_device_type, has_streams
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.memory.dtensors import is_dtensor, local_tensor
 from fsdp_turbo.memory.recompute.apply import is_recomputed
 from fsdp_turbo.memory.swap_activation.filters import (
-    is_dtensor,
-    local_tensor,
     state_holders,
     state_storages,
 )

@@ -11,20 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_turbo.core.device import pinned_empty
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # builds without torch.distributed have no DTensor states
-    DTensor = None
-
-
-def is_dtensor(value: object) -> bool:
-    return DTensor is not None and isinstance(value, DTensor)
-
-
-def local_of(value: torch.Tensor) -> torch.Tensor:
-    """The tensor that holds the data: a DTensor's local shard, else the tensor itself."""
-    return value._local_tensor if is_dtensor(value) else value
+from fsdp_turbo.memory.dtensors import DTensor, is_dtensor, local_tensor
 
 
 def swappable(value: object, device_type: str) -> bool:
@@ -36,7 +23,7 @@ def swappable(value: object, device_type: str) -> bool:
     """
     if not isinstance(value, torch.Tensor) or value.requires_grad:
         return False
-    local = local_of(value)
+    local = local_tensor(value)
     # Other tensor subclasses (quantized optimizer states, ...) may not survive a plain copy.
     return (type(local) is torch.Tensor and local.layout == torch.strided and local.dim() > 0 and local.numel() > 0
             and local.device.type == device_type)
@@ -67,7 +54,7 @@ class HostSlot:
 
     @classmethod
     def for_value(cls, value: torch.Tensor, device_type: str) -> HostSlot:
-        local = local_of(value)
+        local = local_tensor(value)
         host_local = pinned_empty(local.shape, local.dtype, device_type)
         host_value = host_local
         if is_dtensor(value):
@@ -81,7 +68,7 @@ class HostSlot:
         self.device, self.stride = local.device, _dense_stride(local)
 
     def fits(self, value: torch.Tensor) -> bool:
-        local = local_of(value)
+        local = local_tensor(value)
         if (local.shape, local.dtype) != (self.host_local.shape, self.host_local.dtype):
             return False
         if is_dtensor(value) != is_dtensor(self.host_value):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.model_inspect import output_head
 from fsdp_turbo.core.patterns import match_modules
 from fsdp_turbo.quantization.converter.registry import Converter, converter_names, get_converter
 from fsdp_turbo.quantization.training.recipe import MXRecipe
@@ -40,11 +41,10 @@ def _converters(names: tuple[str, ...] | None) -> list[Converter]:
 def _default_exclusions(model: nn.Module) -> dict[str, str]:
     """Modules left high precision unless asked for: the output head and MoE routers."""
     excluded: dict[str, str] = {}
-    getter = getattr(model, "get_output_embeddings", None)
-    head = getter() if callable(getter) else None
-    for name, module in model.named_modules():
-        if module is head and head is not None:
-            excluded[name] = "it is the output head (its error lands directly on the loss)"
+    head = output_head(model)
+    if head is not None:
+        excluded[head[0]] = "it is the output head (its error lands directly on the loss)"
+    for name, _ in model.named_modules():
         parent_name, _, leaf = name.rpartition(".")
         if leaf in ("gate", "router") and hasattr(model.get_submodule(parent_name), "experts"):
             excluded[name] = "it is an MoE router (routing decisions are precision-sensitive)"

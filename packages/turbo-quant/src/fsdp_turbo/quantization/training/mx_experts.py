@@ -15,6 +15,7 @@ import inspect
 import torch
 from torch import nn
 
+from fsdp_turbo.quantization.training.mixin import mix_in
 from fsdp_turbo.quantization.training.mx_grouped_function import mx_grouped_linear
 from fsdp_turbo.quantization.training.recipe import MXRecipe
 
@@ -69,13 +70,5 @@ class MXFusedExperts(nn.Module):
         return final.index_add_(0, tokens, weighted.to(final.dtype))
 
 
-_subclasses: dict[type, type] = {}
-
-
 def to_mx_experts(module: nn.Module, recipe: MXRecipe) -> nn.Module:
-    base = type(module)
-    if issubclass(base, MXFusedExperts):
-        raise ValueError(f"{base.__name__} is already MX")
-    module.__class__ = _subclasses.setdefault(base, type(f"MX{base.__name__}", (MXFusedExperts, base), {}))
-    module.mx_recipe = recipe
-    return module
+    return mix_in(module, MXFusedExperts, recipe)

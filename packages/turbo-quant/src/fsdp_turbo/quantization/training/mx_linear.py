@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from fsdp_turbo.quantization.training.mixin import mix_in
 from fsdp_turbo.quantization.training.mx_linear_function import mx_linear
 from fsdp_turbo.quantization.training.recipe import MXRecipe
 
@@ -57,18 +58,6 @@ class MXLinear(nn.Linear):
         return f"{super().extra_repr()}, mx={r.quant_format}/{r.block_size}/{r.scale_mode}"
 
 
-_subclasses: dict[type, type] = {}
-
-
 def to_mx_linear(module: nn.Linear, recipe: MXRecipe) -> MXLinear:
     """Turn ``module`` into an ``MXLinear`` in place (a subclass of its own class)."""
-    base = type(module)
-    if issubclass(base, MXLinear):
-        raise ValueError(f"{base.__name__} is already an MXLinear")
-    if base is nn.Linear:
-        cls = MXLinear
-    else:
-        cls = _subclasses.setdefault(base, type(f"MX{base.__name__}", (MXLinear, base), {}))
-    module.__class__ = cls
-    module.mx_recipe = recipe
-    return module
+    return mix_in(module, MXLinear, recipe)

@@ -1,4 +1,4 @@
-"""Rank functions for the memory features composed with FSDP x TP (importable by spawned ranks)."""
+"""Rank functions for the memory and quantization features composed with FSDP x TP (importable by spawned ranks)."""
 
 from __future__ import annotations
 
