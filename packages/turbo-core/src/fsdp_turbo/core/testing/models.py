@@ -25,18 +25,30 @@ TINY_DEFAULTS: dict[str, Any] = {
 
 
 TINY_MOE_DEFAULTS: dict[str, Any] = {"moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}
+TINY_MIXTRAL_DEFAULTS: dict[str, Any] = {"intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2}
+TINY_QWEN2_MOE_DEFAULTS: dict[str, Any] = {**TINY_MOE_DEFAULTS, "shared_expert_intermediate_size": 64}
+# DeepSeek-V3: MLA attention, grouped top-k routing, one dense layer first, one shared expert.
+TINY_DEEPSEEK_V3_DEFAULTS: dict[str, Any] = {
+    "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+    "first_k_dense_replace": 1, "n_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": 32,
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8,
+}
 
 
 def tiny_hf_causal_lm(kind: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32,
                       **overrides: Any) -> nn.Module:
-    """A tiny ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM`` (8 experts,
-    top-2); the same seed gives the same weights."""
+    """A tiny ``LlamaForCausalLM``, ``Qwen3ForCausalLM``, or MoE model with 8 experts, top-2:
+    ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` or
+    ``DeepseekV3ForCausalLM``; the same seed gives the same weights."""
     import transformers
 
     classes = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, TINY_MOE_DEFAULTS),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, TINY_MIXTRAL_DEFAULTS),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, TINY_QWEN2_MOE_DEFAULTS),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, TINY_DEEPSEEK_V3_DEFAULTS),
     }
     if kind not in classes:
         raise ValueError(f"unknown tiny model {kind!r}; use one of {sorted(classes)}")

@@ -10,6 +10,7 @@ from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.model_inspect import output_head
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Stage, Transform
+from fsdp_turbo.distributed.expert_parallel.sharding import nested_experts, shard_experts
 from fsdp_turbo.distributed.fully_shard_parallel.units import prefetch_plan, select_units
 from fsdp_turbo.fsdp_turbo_config import FSDPPlanConfig, FSDPTurboConfig
 
@@ -82,16 +83,24 @@ class FullyShardTransform(Transform):
             "ignored_params": ignored,
         }
         units = list(selection.units.values())
+        unit_kwargs = {"mp_policy": mixed_precision_policy(plan, root=False),
+                       "reshard_after_forward": reshard_after_forward(plan, root=False),
+                       "offload_policy": options["offload_policy"]}
+        # Experts first, on their own mesh: the dense units then skip their parameters.
+        experts = shard_experts(model, parallel_state, **unit_kwargs)
         for unit in units:
-            fully_shard(unit, mp_policy=mixed_precision_policy(plan, root=False),
-                        reshard_after_forward=reshard_after_forward(plan, root=False), **options)
+            fully_shard(unit, **unit_kwargs, mesh=options["mesh"], ignored_params=ignored)
         fully_shard(model, mp_policy=mixed_precision_policy(plan, root=True),
                     reshard_after_forward=reshard_after_forward(plan, root=True), **options)
         for index, ahead, behind in prefetch_plan(units, plan.num_to_forward_prefetch, plan.num_to_backward_prefetch):
+            # Prefetching a layer also fetches the experts inside it (their own FSDP units).
             if ahead:
-                units[index].set_modules_to_forward_prefetch(ahead)
+                units[index].set_modules_to_forward_prefetch(
+                    [m for unit in ahead for m in (unit, *nested_experts(unit, experts))])
             if behind:
-                units[index].set_modules_to_backward_prefetch(behind)
+                units[index].set_modules_to_backward_prefetch(
+                    [m for unit in behind for m in (*nested_experts(unit, experts), unit)])
         _skip_prefetching_a_chunked_head(model, config, selection.units)
-        _log.info(f"fully_shard: {len(units)} units + root over mesh {options['mesh'].mesh.tolist()}")
+        _log.info(f"fully_shard: {len(units)} units + root over mesh {options['mesh'].mesh.tolist()}"
+                  + (f"; {len(experts)} expert units over {parallel_state.sizes.expert_shape}" if experts else ""))
         return model

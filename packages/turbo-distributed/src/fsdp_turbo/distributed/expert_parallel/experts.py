@@ -1,0 +1,226 @@
+"""Expert containers, recognised by their form rather than their class name.
+
+Two forms are adapted:
+
+- **Fused 3-D weights** (transformers v5: Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3):
+  ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` (``[E, H, 2I]`` / ``[E, I, H]`` when
+  the module says ``is_transposed``), optional ``*_bias`` parameters, and
+  ``forward(hidden_states, top_k_index, top_k_weights)``. The gate is the module's own
+  ``_apply_gate`` when it has one (HF's experts decorator adds it), else ``act(gate) * up``.
+- **A ModuleList of per-expert MLPs** (older and custom models): an ``nn.ModuleList``
+  subclass, or a module whose only child is one, with that same forward. Each entry maps
+  ``[n, H] -> [n, H]``.
+
+An adapter knows how to keep one EP rank's experts and how to run them on expert-major
+token groups, as a loop (``eager``) or as grouped GEMMs (``grouped``).
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the torch idiom
+from torch import nn
+
+from fsdp_turbo.core.grouped_mm import grouped_linear
+from fsdp_turbo.core.logging import get_logger, warn_once
+
+FORWARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
+_log = get_logger(__name__)
+
+
+def has_router_forward(module: nn.Module) -> bool:
+    """Whether ``module.forward`` takes ``(hidden_states, top_k_index, top_k_weights)``."""
+    try:
+        params = tuple(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params[:3] == FORWARD_ARGS
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's block of an expert-sharded DTensor (the tensor itself otherwise)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+class ExpertAdapter(abc.ABC):
+    """How to shard and run one form of expert container."""
+
+    form: str = ""
+
+    def __init__(self, module: nn.Module, num_experts: int) -> None:
+        self.num_experts = num_experts
+
+    @abc.abstractmethod
+    def keep_local_experts(self, module: nn.Module, first: int, count: int, ep_mesh) -> None:
+        """Keep experts ``[first, first + count)``; parameter names do not change."""
+
+    @abc.abstractmethod
+    def eager(self, module: nn.Module, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Run each row of ``x`` through local expert ``expert[row]``, one expert at a time."""
+
+    @abc.abstractmethod
+    def grouped(self, module: nn.Module, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        """Run expert-major ``x`` (``group_sizes[e]`` rows for local expert ``e``) at once."""
+
+
+def _rows_per_expert(expert: torch.Tensor, count: int) -> list[torch.Tensor]:
+    order = torch.argsort(expert, stable=True)
+    sizes = torch.bincount(expert, minlength=count).tolist()
+    return list(order.split(sizes))
+
+
+def _loop_over_experts(x: torch.Tensor, expert: torch.Tensor, count: int,
+                       run: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    # Experts with no rows still run (on zero rows): their weights then get a zero gradient,
+    # so every rank of an expert-FSDP group reduces the same set of gradients.
+    groups = _rows_per_expert(expert, count)
+    outputs = [run(index, x[rows]) for index, rows in enumerate(groups)]
+    return x.new_zeros(x.shape[0], outputs[0].shape[-1]).index_copy(0, torch.cat(groups), torch.cat(outputs))
+
+
+class FusedExperts(ExpertAdapter):
+    form = "fused 3-D weights"
+
+    def __init__(self, module: nn.Module, num_experts: int) -> None:
+        super().__init__(module, num_experts)
+        self.transposed = bool(getattr(module, "is_transposed", False))
+
+    @staticmethod
+    def detect(module: nn.Module) -> FusedExperts | None:
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)):
+            return None
+        if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
+            return None
+        if not has_router_forward(module):
+            return None
+        return FusedExperts(module, gate_up.shape[0])
+
+    def _param_names(self, module: nn.Module) -> list[str]:
+        return [n for n in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+                if isinstance(getattr(module, n, None), nn.Parameter)]
+
+    def keep_local_experts(self, module: nn.Module, first: int, count: int, ep_mesh) -> None:
+        from torch.distributed.tensor import DTensor, Shard
+
+        for name in self._param_names(module):
+            full = getattr(module, name)
+            block = full.detach()[first : first + count].clone()
+            # A DTensor sharded over EP keeps the global shape, so state_dict, DCP and
+            # full_tensor() see all experts.
+            local = DTensor.from_local(block, ep_mesh, [Shard(0)], run_check=False) if ep_mesh else block
+            setattr(module, name, nn.Parameter(local, requires_grad=full.requires_grad))
+
+    def _weights(self, module: nn.Module) -> tuple[torch.Tensor, ...]:
+        gate_up, down = local_tensor(module.gate_up_proj), local_tensor(module.down_proj)
+        if self.transposed:  # stored [E, K, N]; the GEMMs want [E, N, K]
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        biases = [getattr(module, n, None) for n in ("gate_up_proj_bias", "down_proj_bias")]
+        return gate_up, down, *[local_tensor(b) if isinstance(b, torch.Tensor) else None for b in biases]
+
+    @staticmethod
+    def _gate(module: nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
+        apply_gate = getattr(module, "_apply_gate", None)
+        if callable(apply_gate):
+            return apply_gate(gate_up_out)
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return module.act_fn(gate) * up
+
+    def eager(self, module: nn.Module, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        gate_up, down, gate_up_bias, down_bias = self._weights(module)
+
+        def run(e: int, rows: torch.Tensor) -> torch.Tensor:
+            h = F.linear(rows, gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
+            return F.linear(self._gate(module, h), down[e], None if down_bias is None else down_bias[e])
+
+        return _loop_over_experts(x, expert, gate_up.shape[0], run)
+
+    def grouped(self, module: nn.Module, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        gate_up, down, gate_up_bias, down_bias = self._weights(module)
+        offsets = torch.cumsum(group_sizes, 0)
+
+        def bias_rows(bias: torch.Tensor | None) -> torch.Tensor | float:
+            if bias is None:
+                return 0.0
+            return bias.repeat_interleave(group_sizes, dim=0, output_size=x.shape[0])
+
+        h = grouped_linear(x, gate_up.to(x.dtype), offsets) + bias_rows(gate_up_bias)
+        return grouped_linear(self._gate(module, h), down.to(x.dtype), offsets) + bias_rows(down_bias)
+
+
+def _expert_list(module: nn.Module) -> nn.ModuleList | None:
+    if isinstance(module, nn.ModuleList):
+        return module
+    children = list(module.children())
+    if len(children) == 1 and isinstance(children[0], nn.ModuleList) and not list(module.parameters(recurse=False)):
+        return children[0]
+    return None
+
+
+# Per-expert SwiGLU MLPs under their usual names (HF / Mixtral v4 / Megatron-style).
+_SWIGLU_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+class ExpertList(ExpertAdapter):
+    """A ModuleList of experts. Non-local entries are removed from the list's registry but
+    the local ones keep their global index as their name (``experts.5.w1.weight``), so
+    ``state_dict`` keys are the model's own; each key then lives on its owner's ranks."""
+
+    form = "ModuleList of expert MLPs"
+
+    @staticmethod
+    def detect(module: nn.Module) -> ExpertList | None:
+        experts = _expert_list(module)
+        if experts is None or not len(experts) or not has_router_forward(module):
+            return None
+        shapes = {tuple((n, tuple(p.shape)) for n, p in e.named_parameters()) for e in experts}
+        if len(shapes) != 1 or not next(iter(shapes)):
+            return None
+        return ExpertList(module, len(experts))
+
+    @staticmethod
+    def local_experts(module: nn.Module) -> list[nn.Module]:
+        return list(_expert_list(module)._modules.values())
+
+    def keep_local_experts(self, module: nn.Module, first: int, count: int, ep_mesh) -> None:
+        registry = _expert_list(module)._modules
+        for name in list(registry):
+            if not first <= int(name) < first + count:
+                del registry[name]
+
+    def eager(self, module: nn.Module, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        experts = self.local_experts(module)
+        return _loop_over_experts(x, expert, len(experts), lambda e, rows: experts[e](rows))
+
+    def _stacked_swiglu(self, experts: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor, Callable] | None:
+        for gate, up, down in _SWIGLU_NAMES:
+            layers = [[getattr(e, n, None) for n in (gate, up, down)] for e in experts]
+            if all(isinstance(m, nn.Linear) and m.bias is None for row in layers for m in row):
+                act = getattr(experts[0], "act_fn", None) or getattr(experts[0], "act", None) or F.silu
+                gate_up = torch.stack([torch.cat([g.weight, u.weight]) for g, u, _ in layers])
+                return gate_up, torch.stack([d.weight for _, _, d in layers]), act
+        return None
+
+    def grouped(self, module: nn.Module, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        experts = self.local_experts(module)
+        stacked = self._stacked_swiglu(experts)
+        if stacked is None:
+            warn_once(_log, f"{type(experts[0]).__name__} experts are not SwiGLU Linear layers; the fused "
+                            "dispatcher runs them one by one")
+            expert = torch.repeat_interleave(torch.arange(len(experts), device=x.device), group_sizes)
+            return self.eager(module, x, expert)
+        # Stacking copies the weights each step: the price of keeping the model's own modules.
+        gate_up, down, act = stacked
+        offsets = torch.cumsum(group_sizes, 0)
+        gate, up = grouped_linear(x, gate_up.to(x.dtype), offsets).chunk(2, dim=-1)
+        return grouped_linear(act(gate) * up, down.to(x.dtype), offsets)
+
+
+def expert_adapter(module: nn.Module) -> ExpertAdapter | None:
+    """The adapter for ``module``'s form, or ``None`` if it is not an expert container."""
+    return FusedExperts.detect(module) or ExpertList.detect(module)

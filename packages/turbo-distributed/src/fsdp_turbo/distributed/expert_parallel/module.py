@@ -1,0 +1,34 @@
+"""The expert-parallel experts: the user's expert module, with its forward replaced by a
+dispatcher and only its EP rank's experts kept."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fsdp_turbo.core.mixin import mix_in
+from fsdp_turbo.distributed.expert_parallel.dispatchers import DISPATCHERS, Dispatcher, ExpertGroup
+
+
+class ExpertParallel(nn.Module):
+    """Mixed into the experts' own class by :func:`make_expert_parallel`."""
+
+    ep_experts: ExpertGroup
+    ep_dispatcher: Dispatcher
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return self.ep_dispatcher(self, self.ep_experts, hidden_states, top_k_index, top_k_weights)
+
+
+def is_expert_parallel(module: nn.Module) -> bool:
+    return isinstance(module, ExpertParallel)
+
+
+def make_expert_parallel(module: nn.Module, experts: ExpertGroup, ep_rank: int, dispatcher: str,
+                         ep_mesh=None) -> nn.Module:
+    """Keep EP rank ``ep_rank``'s experts of ``module`` and route its forward through
+    ``dispatcher``. ``ep_mesh`` (1-D, the EP group) makes fused weights DTensors."""
+    local = experts.num_experts // experts.ep_size
+    experts.adapter.keep_local_experts(module, ep_rank * local, local, ep_mesh)
+    return mix_in(module, ExpertParallel, "EP", ep_experts=experts, ep_dispatcher=DISPATCHERS[dispatcher])
