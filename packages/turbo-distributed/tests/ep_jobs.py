@@ -1,0 +1,185 @@
+"""Rank functions for the expert-parallel tests (importable by the spawned ranks)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from fsdp_turbo.core.testing import TrainRecord, full_tensor, shard_rows, train_steps
+from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+
+
+class SwiGLUExpert(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ExpertMLPList(nn.ModuleList):
+    """A custom model's experts: a ModuleList of MLPs with the HF experts' forward."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for index, expert in enumerate(self):
+            token, slot = torch.where(top_k_index == index)
+            out = out.index_add(0, token, expert(hidden_states[token]) * top_k_weights[token, slot, None])
+        return out
+
+
+def to_expert_lists(model: nn.Module) -> nn.Module:
+    """Replace each fused experts module by an ``ExpertMLPList`` with the same weights."""
+    for name, module in list(model.named_modules()):
+        if name.endswith("mlp.experts"):
+            num, two_inter, hidden = module.gate_up_proj.shape
+            experts = ExpertMLPList([SwiGLUExpert(hidden, two_inter // 2) for _ in range(num)])
+            with torch.no_grad():
+                for index, expert in enumerate(experts):
+                    gate, up = module.gate_up_proj[index].chunk(2)
+                    expert.gate_proj.weight.copy_(gate)
+                    expert.up_proj.weight.copy_(up)
+                    expert.down_proj.weight.copy_(module.down_proj[index])
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, experts)
+    return model
+
+
+def build_model(kind: str, model_kwargs=None, expert_lists: bool = False) -> nn.Module:
+    model = tiny_hf_causal_lm(kind, **(model_kwargs or {}))
+    return to_expert_lists(model) if expert_lists else model
+
+
+def reference_run(kind, batches, model_kwargs=None, expert_lists=False):
+    return train_steps(build_model(kind, model_kwargs, expert_lists), batches)
+
+
+def accumulated_reference(kind, batches, shards, model_kwargs=None):
+    """The data-parallel reference for a per-batch nonlinear loss (the router's auxiliary
+    loss): each step averages the loss and gradients of the ``shards`` data shards."""
+    model = build_model(kind, model_kwargs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    record = TrainRecord()
+    for step, batch in enumerate(batches):
+        total = 0.0
+        for shard in range(shards):
+            rows = shard_rows(batch, shard, shards)
+            loss = model(input_ids=rows, labels=rows).loss / shards
+            loss.backward()
+            total += float(loss)
+        record.losses.append(total)
+        if step == 0:
+            record.grads = {n: full_tensor(p.grad) for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return record
+
+
+def _expert_facts(model) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    facts = {}
+    for name, param in model.named_parameters():
+        if ".experts." in name:
+            local = param.to_local() if isinstance(param, DTensor) else param
+            placements = str(param.placements) if isinstance(param, DTensor) else None
+            facts[name] = (tuple(local.shape), placements)
+    return facts
+
+
+def ep_run(kind, batches, config, model_kwargs=None, expert_lists=False):
+    """Train through the facade; return the record, expert parameter facts and class name."""
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    model = FSDPTurbo(config, build_model(kind, model_kwargs, expert_lists))
+    state = model.parallel_state
+    facts = _expert_facts(model)
+    record = train_steps(model, [shard_rows(b, state.dp_rank, state.dp_size) for b in batches])
+    experts_class = next(type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    return record, facts, experts_class
+
+
+def merge_rank_grads(records) -> dict[str, torch.Tensor]:
+    """Every rank's gradients in one dict (a ModuleList expert lives on its owner's ranks)."""
+    merged: dict[str, torch.Tensor] = {}
+    for record in records:
+        merged.update(record.grads)
+    return merged
+
+
+# ----- one experts module, hand-made uneven routing ------------------------------------
+ROUTES = {
+    # rank: (top_k_index rows). Rank 0 keeps everything on its own experts (sends nothing to
+    # rank 1) and drops one slot (id 8); rank 1 uses experts 0 and 5 only. Experts 2, 3, 4,
+    # 6 and 7 get no tokens at all.
+    0: [[0, 1], [1, 0], [0, 8], [1, 0], [0, 1], [1, 0]],
+    1: [[5, 0], [0, 5], [5, 0], [5, 0], [0, 5]],
+}
+
+
+class _Holder(nn.Module):
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        self.experts = experts
+
+
+def _experts_module(form: str) -> nn.Module:
+    experts = tiny_hf_causal_lm("qwen3_moe").model.layers[0].mlp.experts
+    # HF's eager experts skip a dropped slot (id == num_experts); its grouped_mm path leaves
+    # that row undefined unless the module is marked expert-parallel.
+    experts.config._experts_implementation = "eager"
+    if form == "list":
+        holder = nn.Module()
+        holder.mlp = nn.Module()
+        holder.mlp.experts = experts
+        experts = to_expert_lists(holder).mlp.experts
+    return experts
+
+
+def _inputs(rank: int, hidden: int):
+    generator = torch.Generator().manual_seed(100 + rank)
+    index = torch.tensor(ROUTES[rank])
+    states = torch.randn(index.shape[0], hidden, generator=generator, requires_grad=True)
+    weights = torch.rand(index.shape, generator=generator, requires_grad=True)
+    return states, index, weights
+
+
+def _run(module: nn.Module, rank: int, hidden: int):
+    states, index, weights = _inputs(rank, hidden)
+    out = module(states, index, weights)
+    out.backward(torch.ones_like(out))
+    return out.detach(), states.grad, weights.grad
+
+
+def uneven_dispatch_run(dispatcher: str, form: str) -> dict:
+    """Compare one EP=2 experts module with the unsharded one on hand-made routing."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_turbo.distributed.expert_parallel import apply_expert_parallel
+    from fsdp_turbo.fsdp_turbo_config import EPPlanConfig
+
+    rank = dist.get_rank()
+    reference = _experts_module(form)
+    hidden = 64
+    sharded = _Holder(copy.deepcopy(reference))
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    apply_expert_parallel(sharded, EPPlanConfig(apply_modules=["experts"], dispatcher=dispatcher, num_chunks=3),
+                          mesh)
+    expected, got = _run(reference, rank, hidden), _run(sharded.experts, rank, hidden)
+    # Expert gradients sum every rank's tokens: all-reduce the reference's.
+    reference_grads = {}
+    for name, param in reference.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad)
+        reference_grads[name] = grad
+    local_grads = {}
+    for name, param in sharded.experts.named_parameters():
+        local_grads[name] = full_tensor(param.grad)
+    return {"expected": expected, "got": got, "reference_grads": reference_grads, "local_grads": local_grads}
