@@ -45,6 +45,22 @@ CASES = {
     "sequence_parallel_misses_norms": ({"tensor_parallel_size": 2, "tp_plan": {
         "colwise_parallel": ["*.q_proj"], "sequence_parallel": ["model.norm"]}}, "tp_plan.sequence_parallel"),
 }
+EP = {"expert_parallel_size": 2}
+# Expert-parallel cases on a tiny Qwen3-MoE (8 experts): (config, field, model overrides).
+MOE_CASES = {
+    "experts_not_divisible_by_ep": ({"expert_parallel_size": 4, "ep_plan": {}}, "expert_parallel_size",
+                                    {"num_experts": 6}),
+    "ep_pattern_matches_nothing": ({**EP, "ep_plan": {"apply_modules": ["*.moe.experts"]}},
+                                   "ep_plan.apply_modules", None),
+    "ep_pattern_matches_a_router": ({**EP, "ep_plan": {"apply_modules": ["*mlp.gate"]}},
+                                    "ep_plan.apply_modules", None),
+    "ep_pattern_matches_a_dense_mlp": ({**EP, "ep_plan": {"apply_modules": ["model.layers.*.mlp"]}},
+                                       "ep_plan.apply_modules", None),
+    "ep_with_tensor_parallel": ({**EP, "ep_plan": {}, "tensor_parallel_size": 2,
+                                 "tp_plan": {"colwise_parallel": ["*.q_proj"]}}, "expert_parallel_size", None),
+    "efsdp_does_not_divide_world": ({**EP, "ep_plan": {}, "expert_fully_shard_parallel_size": 3},
+                                    "expert_fully_shard_parallel_size", None),
+}
 # Cases that need a particular model shape: (config, field, model overrides).
 MODEL_CASES = {
     "kv_heads_not_divisible_by_tp": ({"tensor_parallel_size": 4, "tp_plan": {"colwise_parallel": ["*.q_proj"]}},
@@ -57,12 +73,13 @@ MODEL_CASES = {
 }
 
 
-def build_with_bad_config(config, model_kwargs=None):
+def build_with_bad_config(config, model_kwargs=None, kind="llama"):
     import torch.distributed as dist
 
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
-    model = tiny_hf_causal_lm("llama", **(model_kwargs or {"num_attention_heads": 6, "hidden_size": 96}))
+    default = {"num_attention_heads": 6, "hidden_size": 96} if kind == "llama" else {}
+    model = tiny_hf_causal_lm(kind, **(model_kwargs or default))
     groups_before = len(dist.distributed_c10d._world.pg_map)
     try:
         FSDPTurbo(config, model)
@@ -72,15 +89,17 @@ def build_with_bad_config(config, model_kwargs=None):
     return None, len(dist.distributed_c10d._world.pg_map) - groups_before
 
 
-ALL_CASES = {**{k: (*v, None) for k, v in CASES.items()}, **MODEL_CASES}
+ALL_CASES = {**{k: (*v, None, "llama") for k, v in CASES.items()},
+             **{k: (*v, "llama") for k, v in MODEL_CASES.items()},
+             **{k: (*v, "qwen3_moe") for k, v in MOE_CASES.items()}}
 
 
 @pytest.mark.parametrize("case", list(ALL_CASES))
 def test_bad_config_raises_same_error_on_every_rank(case):
     from fsdp_turbo.fsdp_turbo_config import ConfigError
 
-    config, field, model_kwargs = ALL_CASES[case]
-    results = run_distributed(build_with_bad_config, WORLD, config, model_kwargs, timeout=120)
+    config, field, model_kwargs, kind = ALL_CASES[case]
+    results = run_distributed(build_with_bad_config, WORLD, config, model_kwargs, kind, timeout=120)
     errors = [error for error, _ in results]
     assert all(isinstance(e, ConfigError) for e in errors), errors
     assert {e.field for e in errors} == {field}

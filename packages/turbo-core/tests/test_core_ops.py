@@ -1,0 +1,50 @@
+"""turbo-core kernels shared by feature packages: grouped GEMMs and class mix-ins."""
+
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_linear_matches_per_group_linear_with_empty_groups(dtype):
+    from fsdp_turbo.core.grouped_mm import grouped_linear
+
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.tensor([10, 0, 25, 5, 0])
+    x = torch.randn(int(counts.sum()), 32, generator=generator).to(dtype).requires_grad_()
+    w = torch.randn(5, 48, 32, generator=generator).to(dtype).requires_grad_()
+    out = grouped_linear(x, w, torch.cumsum(counts, 0))
+    grad = torch.randn(out.shape, generator=generator).to(dtype)
+    out.backward(grad)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    expected = torch.cat([part @ w2[e].T for e, part in enumerate(x2.split(counts.tolist()))])
+    expected.backward(grad)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(out, expected, **tol)
+    torch.testing.assert_close(x.grad, x2.grad, **tol)
+    torch.testing.assert_close(w.grad, w2.grad, **tol)
+    assert not w.grad[1].any() and not w.grad[4].any()  # empty groups: zero, not missing
+
+
+def test_grouped_linear_checks_its_shapes():
+    from fsdp_turbo.core.grouped_mm import grouped_linear
+
+    with pytest.raises(ValueError, match="one offset per group"):
+        grouped_linear(torch.randn(4, 8), torch.randn(3, 8, 8), torch.tensor([4, 4]))
+
+
+def test_mix_in_keeps_parameters_and_subclasses_the_original():
+    from fsdp_turbo.core.mixin import mix_in
+
+    class Twice(torch.nn.Module):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    layer = torch.nn.Linear(3, 3)
+    weight = layer.weight
+    mix_in(layer, Twice, "Twice", tag=7)
+    assert isinstance(layer, torch.nn.Linear) and type(layer).__name__ == "TwiceLinear" and layer.tag == 7
+    assert layer.weight is weight and list(layer.state_dict()) == ["weight", "bias"]
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(layer(x), 2 * torch.nn.functional.linear(x, layer.weight, layer.bias))
+    with pytest.raises(ValueError, match="already"):
+        mix_in(layer, Twice, "Twice")
