@@ -16,6 +16,7 @@ over token chunks, with chunk ``i + 1``'s all-to-all in flight while chunk ``i``
 from __future__ import annotations
 
 import abc
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -111,7 +112,7 @@ def mc2_portable(module: nn.Module, experts: ExpertGroup, hidden_states: torch.T
     num_tokens = hidden_states.shape[0]
     # Every rank runs the same number of chunks (some may be empty), so collectives pair up.
     bounds = torch.linspace(0, num_tokens, experts.num_chunks + 1).round().long().tolist()
-    spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+    spans = list(itertools.pairwise(bounds))
     sorted_counts = [count_tokens(top_k_index[a:b], experts.num_experts) for a, b in spans]
     received = exchange_counts(torch.stack([c for _, c in sorted_counts]), experts.ep_size, experts.group)
     top_k = top_k_index.shape[-1]
