@@ -87,3 +87,17 @@ def test_every_dispatcher_matches_the_unsharded_experts_at_ep1(dispatcher, form)
     torch.testing.assert_close(others[2].grad, inputs[2].grad, rtol=1e-5, atol=1e-6)
     for (name, p), (_, q) in zip(reference.named_parameters(), converted.named_parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_npu_kernels_register_only_where_torch_npu_exists():
+    import importlib.util
+    import sys
+
+    from fsdp_turbo.core.ops import backend_of, registered_ops
+
+    if importlib.util.find_spec("torch_npu") is None:
+        assert "npu" not in registered_ops()["ep.mc2"]
+        assert backend_of("ep.mc2", "cpu") == "portable"
+        assert "torch_npu" not in sys.modules  # importing turbo-distributed never imports it
+    else:
+        assert backend_of("ep.mc2", "npu") == "npu_mc2"

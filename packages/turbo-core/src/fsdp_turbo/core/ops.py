@@ -58,3 +58,60 @@ def registered_ops() -> dict[str, tuple[str, ...]]:
 def unregister_op(name: str) -> None:
     """Remove every kernel of ``name``; for tests."""
     _kernels.pop(name, None)
+
+
+class LazyKernel:
+    """A device kernel that imports its backend module on the first call.
+
+    Registering one only asks whether the backend's library can be found (no import), so
+    importing a package never imports ``triton`` or ``torch_npu`` and never fails without
+    them. If the import fails later (the library is present but broken), the op falls back
+    to its portable kernel with a one-time warning instead of failing every call.
+    """
+
+    def __init__(self, op: str, module: str, attr: str) -> None:
+        self.op, self.module, self.attr = op, module, attr
+        self._fn: Callable[..., Any] | None = None
+
+    @property
+    def backend(self) -> str:
+        return self.module.rpartition(".")[2]
+
+    def resolve(self) -> Callable[..., Any]:
+        if self._fn is None:
+            import importlib
+
+            try:
+                self._fn = getattr(importlib.import_module(self.module), self.attr)
+            except ImportError as err:
+                warn_once(_log, f"op {self.op!r}: backend {self.module} does not import ({err}); "
+                                "using the portable kernel")
+                self._fn = _kernels[self.op][PORTABLE]
+        return self._fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.resolve()(*args, **kwargs)
+
+
+def library_available(library: str | None) -> bool:
+    """Whether ``library`` can be imported, found on ``sys.path`` without importing it."""
+    import importlib.util
+
+    return library is None or importlib.util.find_spec(library) is not None
+
+
+def register_lazy_kernels(backends: tuple[tuple[str, str, str, str, str | None], ...]) -> dict[tuple[str, str], str]:
+    """Register ``(op, device type, module, attribute, library needed or None)`` backends
+    whose library is available, as :class:`LazyKernel`; returns ``{(op, device): module}``."""
+    registered = {}
+    for op, device, module, attr, library in backends:
+        if library_available(library):
+            register_op(op, device, override=True)(LazyKernel(op, module, attr))
+            registered[(op, device)] = module
+    return registered
+
+
+def backend_of(op: str, device_type: str) -> str:
+    """Which implementation ``call_op(op, device_type)`` runs: a backend name or 'portable'."""
+    kernel = get_op(op, device_type)
+    return kernel.backend if isinstance(kernel, LazyKernel) else PORTABLE

@@ -26,6 +26,7 @@ from torch import nn
 from fsdp_turbo.core.ops import call_op, register_op
 from fsdp_turbo.distributed.expert_parallel.collectives import all_to_all, wait
 from fsdp_turbo.distributed.expert_parallel.experts import ExpertAdapter
+from fsdp_turbo.distributed.expert_parallel.ops import register_backends
 from fsdp_turbo.distributed.expert_parallel.routing import (
     TokenRoute,
     build_route,
@@ -145,3 +146,4 @@ class MC2Dispatcher(Dispatcher):
 
 
 DISPATCHERS: dict[str, Dispatcher] = {d.name: d for d in (EagerDispatcher(), FusedDispatcher(), MC2Dispatcher())}
+register_backends()
