@@ -8,6 +8,8 @@ from pathlib import Path
 
 # What every FSDPTurbo feature package may import besides itself.
 SHARED_ALLOWED = ("torch", "fsdp_turbo.core", "fsdp_turbo.fsdp_turbo_config", "fsdp_turbo.fsdp_turbo")
+# Device libraries, which only device backends (files under an ``ops/`` folder) may import.
+DEVICE_LIBRARIES = ("torch_npu", "triton")
 
 
 def imported_names(source_dir: str | Path) -> dict[str, set[str]]:
@@ -24,22 +26,27 @@ def imported_names(source_dir: str | Path) -> dict[str, set[str]]:
     return found
 
 
-def foreign_imports(source_dir: str | Path, allowed: tuple[str, ...]) -> dict[str, list[str]]:
-    """Imports that are neither the standard library nor under one of ``allowed``."""
+def foreign_imports(source_dir: str | Path, allowed: tuple[str, ...], *,
+                    device_backends: bool = False) -> dict[str, list[str]]:
+    """Imports that are neither the standard library nor under one of ``allowed`` (with
+    ``device_backends``, files under an ``ops/`` folder may also import device libraries)."""
 
-    def ok(name: str) -> bool:
+    def ok(name: str, path: str) -> bool:
         if name.split(".")[0] in sys.stdlib_module_names or name == "__future__":
             return True
-        return any(name == prefix or name.startswith(prefix + ".") for prefix in allowed)
+        in_backend = device_backends and "ops" in Path(path).relative_to(source_dir).parts
+        prefixes = (*allowed, *DEVICE_LIBRARIES) if in_backend else allowed
+        return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
 
-    bad = {path: sorted(n for n in names if not ok(n)) for path, names in imported_names(source_dir).items()}
+    bad = {path: sorted(n for n in names if not ok(n, path)) for path, names in imported_names(source_dir).items()}
     return {path: names for path, names in bad.items() if names}
 
 
 def feature_package_problems(distribution: str, module: str) -> list[str]:
     """What breaks the packaging rules for a feature package: its version must be the
     installed distribution's, it must not ship the namespace ``__init__``, and it may
-    import only the standard library, torch, turbo-core and itself."""
+    import only the standard library, torch, turbo-core and itself (its ``ops/`` device
+    backends also ``torch_npu`` and ``triton``)."""
     import importlib
     from importlib.metadata import version
 
@@ -50,6 +57,6 @@ def feature_package_problems(distribution: str, module: str) -> list[str]:
         problems.append(f"{module}.__version__={package.__version__} but {distribution} is {version(distribution)}")
     if (source.parent / "__init__.py").exists():
         problems.append(f"{source.parent / '__init__.py'} closes the fsdp_turbo namespace")
-    for path, names in foreign_imports(source, (*SHARED_ALLOWED, module)).items():
+    for path, names in foreign_imports(source, (*SHARED_ALLOWED, module), device_backends=True).items():
         problems.append(f"{path} imports {names}")
     return problems
