@@ -183,3 +183,29 @@ def uneven_dispatch_run(dispatcher: str, form: str) -> dict:
     for name, param in sharded.experts.named_parameters():
         local_grads[name] = full_tensor(param.grad)
     return {"expected": expected, "got": got, "reference_grads": reference_grads, "local_grads": local_grads}
+
+
+def checkpoint_round_trip_run(kind, batches, config, directory):
+    """Train one step, save with DCP, load into a fresh EP model, and train on: the resumed
+    model's next losses equal the original's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    def fresh():
+        model = FSDPTurbo(config, build_model(kind))
+        state = model.parallel_state
+        return model, [shard_rows(b, state.dp_rank, state.dp_size) for b in batches]
+
+    model, local = fresh()
+    train_steps(model, local[:1], record_grads=False)
+    dcp.save(get_model_state_dict(model), checkpoint_id=directory)
+    expected = [float(model(input_ids=b, labels=b).loss) for b in local[1:]]
+    resumed, _ = fresh()
+    state_dict = get_model_state_dict(resumed)
+    dcp.load(state_dict, checkpoint_id=directory)
+    set_model_state_dict(resumed, state_dict)
+    got = [float(resumed(input_ids=b, labels=b).loss) for b in local[1:]]
+    full = {n: full_tensor(p) for n, p in resumed.named_parameters() if ".experts." in n}
+    return expected, got, full
