@@ -53,6 +53,7 @@ __all__ = [
     "hif8_decode_into",
     "hif8_encode",
     "hif8_encode_into",
+    "hif8_encode_table",
 ]
 
 HIF8_NAN = 0x80
@@ -146,6 +147,12 @@ def _decode_table_cpu() -> torch.Tensor:
     return torch.tensor([hif8_code_value(c) for c in range(256)], dtype=torch.float32)
 
 
+def hif8_encode_table(device: torch.device) -> torch.Tensor:
+    """The 8192-entry uint8 table from fp32 ``bits >> 19`` (sign, exponent, top 4 mantissa bits) to
+    HiF8 codes (NaN maps to Inf here), on ``device``: device kernels gather from the same table."""
+    return _on(_encode_table_cpu(), device)
+
+
 def _on(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     return table if device.type == "cpu" else _cached_on(table, str(device))
 
@@ -163,7 +170,7 @@ def hif8_encode_into(xf: torch.Tensor, out: torch.Tensor) -> None:
     """
     index = xf.view(torch.int32)
     index.bitwise_right_shift_(_INDEX_SHIFT).bitwise_and_(_INDEX_MASK)  # arithmetic shift; mask keeps the sign
-    torch.index_select(_on(_encode_table_cpu(), xf.device), 0, index.view(-1), out=out.view(-1))
+    torch.index_select(hif8_encode_table(xf.device), 0, index.view(-1), out=out.view(-1))
 
 
 def hif8_decode_into(codes: torch.Tensor, out: torch.Tensor, index: torch.Tensor) -> None:

@@ -33,7 +33,7 @@ from fsdp_turbo.quantization.mx_formats.formats import FORMATS, MXFormat, get_fo
 from fsdp_turbo.quantization.mx_formats.fp8 import fp8_encode_into
 from fsdp_turbo.quantization.mx_formats.hif8 import hif8_decode_into, hif8_encode_into
 
-__all__ = ["MXTensor", "dequantize_mx", "quantize_mx"]
+__all__ = ["MXTensor", "block_view", "dequantize_mx", "quantize_mx", "scale_shape"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,13 +66,13 @@ class MXTensor:
         return dequantize_mx(self, dtype)
 
 
-def _block_view(shape: torch.Size, axis: int, block_size: int) -> tuple[int, int]:
+def block_view(shape: torch.Size, axis: int, block_size: int) -> tuple[int, int]:
     """(rows, post): a tensor of ``shape`` viewed as (rows, block_size, post), one block per (row, post)."""
     pre, post = math.prod(shape[:axis]), math.prod(shape[axis + 1 :])
     return pre * (shape[axis] // block_size), post
 
 
-def _scale_shape(shape: torch.Size, axis: int, block_size: int) -> tuple[int, ...]:
+def scale_shape(shape: torch.Size, axis: int, block_size: int) -> tuple[int, ...]:
     return (*shape[:axis], shape[axis] // block_size, *shape[axis + 1 :])
 
 
@@ -82,7 +82,7 @@ def _quantize_mx_portable(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Portable kernel: (element codes shaped like ``x``, uint8 scales). Arguments pre-validated."""
     fmt = FORMATS[quant_format]
-    rows, post = _block_view(x.shape, axis, block_size)
+    rows, post = block_view(x.shape, axis, block_size)
     # Viewing (rows, block, post) keeps x's layout for any axis: no transpose.
     x3 = x.detach().contiguous().view(rows, block_size, post)
     data = torch.empty(x3.shape, dtype=fmt.data_dtype, device=x.device)
@@ -91,7 +91,7 @@ def _quantize_mx_portable(
     work = Workspace(rows, block_size * post, x.device)
     for chunk in row_chunks(rows, block_size * post):
         _quantize_rows(x3[chunk], data[chunk], scale[chunk], work, fmt, scale_mode, emax_elem, target)
-    return data.view(x.shape), scale.view(_scale_shape(x.shape, axis, block_size))
+    return data.view(x.shape), scale.view(scale_shape(x.shape, axis, block_size))
 
 
 def _quantize_rows(
@@ -137,7 +137,7 @@ def _dequantize_mx_portable(
 ) -> torch.Tensor:
     """Portable kernel: ``decode(data) * 2**scale`` in ``dtype``. Arguments pre-validated."""
     fmt = FORMATS[quant_format]
-    rows, post = _block_view(data.shape, axis, block_size)
+    rows, post = block_view(data.shape, axis, block_size)
     codes = data.view(torch.uint8).reshape(rows, block_size, post)
     scales = scale.view(torch.uint8).reshape(rows, post)
     out = torch.empty((rows, block_size, post), dtype=dtype, device=data.device)
