@@ -208,7 +208,9 @@ class ParallelState:
         shard = "fsdp"
         if self.sizes.cp > 1:
             shard = "fsdp_cp"
-            self.flat_mesh("fsdp", "cp")
+            flat = self.flat_mesh("fsdp", "cp")
+            if self.sizes.dp_replicate == 1:
+                return flat  # torch deprecates slicing a flattened dim back out of the root
         if self.sizes.dp_replicate == 1:
             return self.dense_mesh[shard]
         return self.dense_mesh["dp_replicate", shard]

@@ -1,0 +1,25 @@
+"""What one forward of a context-parallel model needs to know: set by the input hook,
+read by the attention wrapper."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ForwardContext:
+    seq_len: int  # the padded full sequence length, a multiple of cp
+    padding_mask: torch.Tensor | None = None  # [B, seq_len] bool, True = a real token, or None
+
+
+@dataclass
+class CPState:
+    """One model's context-parallel group and its current forward."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    current: ForwardContext | None = field(default=None)

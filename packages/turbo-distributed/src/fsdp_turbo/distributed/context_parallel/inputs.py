@@ -1,0 +1,91 @@
+"""The training loop stays unchanged: the model's forward pre-hook turns the full-length
+batch each CP rank receives into that rank's sequence chunk.
+
+1. ``labels`` are shifted here (``shift_labels``), so no chunk needs its neighbour's token;
+2. the sequence is padded to a multiple of cp (label -100, so padding is not in the loss;
+   it sits at the end, so causal attention keeps real tokens from seeing it);
+3. input ids (or embeddings), shifted labels and absolute ``position_ids`` are cut to the
+   rank's chunk; a 2-D padding ``attention_mask`` is kept whole for the attention wrapper;
+4. ``num_items_in_batch`` is the number of valid labels of the whole sequence, so each rank's
+   loss is its share of the full-sequence mean (summed over CP in ``loss``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the torch idiom
+
+from fsdp_turbo.distributed.context_parallel.context import CPState, ForwardContext
+
+IGNORE_INDEX = -100
+
+
+def padded_length(seq_len: int, cp: int) -> int:
+    return -(-seq_len // cp) * cp
+
+
+def _pad(x: torch.Tensor, extra: int, value: float | int) -> torch.Tensor:
+    if not extra:
+        return x
+    pad = [0, 0] * (x.dim() - 2) + [0, extra]  # dim 1 is the sequence
+    return F.pad(x, pad, value=value)
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Position ``t`` predicts token ``t + 1``; the last position predicts nothing."""
+    return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+
+
+def split_inputs(state: CPState, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The rank's chunk of a full-length HF forward call; records the forward's context."""
+    cp, rank = state.size, state.rank
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is None or tokens.dim() < 2:
+        raise ValueError("context parallel needs input_ids [batch, seq] (or inputs_embeds) as keyword arguments")
+    batch, seq_len = tokens.shape[:2]
+    full = padded_length(seq_len, cp)
+    extra, chunk = full - seq_len, full // cp
+    local = slice(rank * chunk, (rank + 1) * chunk)
+    out = dict(kwargs)
+    for name in ("input_ids", "inputs_embeds"):
+        if kwargs.get(name) is not None:
+            out[name] = _pad(kwargs[name], extra, 0)[:, local]
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(seq_len, device=tokens.device).expand(batch, seq_len)
+    # Padding continues the positions, so RoPE stays defined there.
+    tail = positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)
+    out["position_ids"] = torch.cat([positions, tail], dim=1)[:, local] if extra else positions[:, local]
+    labels, shifted = kwargs.get("labels"), kwargs.get("shift_labels")
+    if labels is not None or shifted is not None:
+        shifted = shift_labels(labels) if shifted is None else shifted
+        shifted = _pad(shifted, extra, IGNORE_INDEX)
+        if kwargs.get("num_items_in_batch") is None:
+            out["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum().clamp_min(1)  # all ignored: 0, not NaN
+        out["shift_labels"] = shifted[:, local].contiguous()
+        out["labels"] = out["shift_labels"]  # HF computes a loss only when labels are given
+    mask = kwargs.get("attention_mask")
+    padding = None
+    if mask is not None:
+        if mask.dim() != 2:
+            raise ValueError("context parallel takes a 2-D padding attention_mask [batch, seq]")
+        padding = _pad(mask.bool(), extra, False)
+        padding = None if bool(padding[:, :seq_len].all()) else padding
+        out["attention_mask"] = None  # the wrapper builds the full-sequence mask itself
+    state.current = ForwardContext(full, padding)
+    return out
+
+
+def install_input_splitter(model: torch.nn.Module, state: CPState):
+    """Register the forward pre-hook on the root model; returns the hook handle."""
+
+    def hook(module, args, kwargs):
+        if args:
+            raise ValueError("context parallel: call the model with keyword arguments (input_ids=..., labels=...)")
+        return args, split_inputs(state, kwargs)
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -1,0 +1,68 @@
+"""What context parallel will wrap, checked before anything is changed or sent."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.fsdp_turbo_config import CPPlanConfig
+
+# Core attentions the wrapper can hand the whole sequence to (flex needs a block mask
+# built for the full sequence, paged ones a cache: not supported).
+HF_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+@dataclass(frozen=True)
+class CPTarget:
+    """Either an HF model's attention implementation, or a core attention function by path."""
+
+    hf_implementation: str | None = None
+    function_path: str | None = None
+    function: Callable[..., Any] | None = None
+
+
+def _import_attention(path: str) -> Callable[..., Any]:
+    module_name, _, attr = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+        function = getattr(module, attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError("cp_plan.attention_function", path, "give an importable 'package.module.function'",
+                          reason=f"it does not import ({err})") from err
+    if not callable(function):
+        raise ConfigError("cp_plan.attention_function", path, "point it at a function", reason="not callable")
+    return function
+
+
+def _hf_sliding_layers(config: Any) -> bool:
+    layer_types = getattr(config, "layer_types", None) or ()
+    return any("sliding" in str(t) for t in layer_types)
+
+
+def resolve_cp_target(model: nn.Module, plan: CPPlanConfig | None) -> CPTarget:
+    """Raises ``ConfigError`` (the same on every rank); never communicates."""
+    if plan is not None and plan.attention_function is not None:
+        return CPTarget(function_path=plan.attention_function, function=_import_attention(plan.attention_function))
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation is None:
+        raise ConfigError("cp_plan.attention_function", None,
+                          "give cp_plan=CPPlanConfig(attention_function='package.module.core_attention')",
+                          reason=f"{type(model).__name__} has no recognisable attention (no HF attn_implementation)")
+    if implementation not in HF_IMPLEMENTATIONS:
+        raise ConfigError("context_parallel_size", implementation,
+                          f"load the model with attn_implementation in {list(HF_IMPLEMENTATIONS)}",
+                          reason=f"Ulysses cannot wrap the {implementation!r} attention")
+    if _hf_sliding_layers(config):
+        raise ConfigError("context_parallel_size", getattr(config, "sliding_window", None),
+                          "use context_parallel_size=1 for models with sliding-window layers",
+                          reason="the Ulysses wrapper builds full causal masks only")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError("context_parallel_size", type(model).__name__, "use a decoder-only model",
+                          reason="encoder-decoder models are not supported")
+    return CPTarget(hf_implementation=implementation)

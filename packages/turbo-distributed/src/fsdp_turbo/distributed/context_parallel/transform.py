@@ -1,0 +1,68 @@
+"""The context-parallel transform: Ulysses attention plus input splitting and the CP loss."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+
+from torch import nn
+
+from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.parallel_state import ParallelState
+from fsdp_turbo.core.plugin import Stage, Transform
+from fsdp_turbo.distributed.context_parallel.context import CPState
+from fsdp_turbo.distributed.context_parallel.inputs import install_input_splitter
+from fsdp_turbo.distributed.context_parallel.loss import ContextParallelLossFunction
+from fsdp_turbo.distributed.context_parallel.plan import CPTarget, resolve_cp_target
+from fsdp_turbo.distributed.context_parallel.ulysses import ulysses_core_attention, ulysses_hf_attention
+from fsdp_turbo.fsdp_turbo_config import CPPlanConfig, FSDPTurboConfig
+
+_log = get_logger(__name__)
+_names = itertools.count()
+
+
+def _install_hf(model: nn.Module, state: CPState, implementation: str) -> str:
+    from transformers.modeling_utils import AttentionInterface
+
+    # One registered name per model: the wrapper closes over that model's CP group.
+    name = f"fsdp_turbo_ulysses_{next(_names)}_{implementation}"
+    AttentionInterface.register(name, ulysses_hf_attention(state, implementation))
+    model.config._attn_implementation = name
+    return name
+
+
+def _install_function(target: CPTarget, state: CPState) -> str:
+    module_name, _, attr = target.function_path.rpartition(".")
+    setattr(importlib.import_module(module_name), attr, ulysses_core_attention(state, target.function))
+    return target.function_path
+
+
+def apply_context_parallel(model: nn.Module, plan: CPPlanConfig | None, cp_mesh) -> CPState:
+    """Ulysses context parallel without the facade; ``cp_mesh`` is the 1-D CP mesh."""
+    target = resolve_cp_target(model, plan)
+    state = CPState(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank())
+    where = _install_hf(model, state, target.hf_implementation) if target.hf_implementation else (
+        _install_function(target, state))
+    install_input_splitter(model, state)
+    if hasattr(model, "loss_function"):  # HF models (and others that follow the contract)
+        model.loss_function = ContextParallelLossFunction(model.loss_function, state.group, state.size)
+    model.context_parallel_state = state
+    _log.info(f"context_parallel over {state.size} ranks: Ulysses around {where}")
+    return state
+
+
+class ContextParallelTransform(Transform):
+    """Ulysses: attention on all of the sequence for heads/cp heads; the rest stays local."""
+
+    name = "context_parallel"
+    stage = Stage.CONTEXT_PARALLEL
+
+    def is_enabled(self, config: FSDPTurboConfig, parallel_state: ParallelState) -> bool:
+        return parallel_state.cp_size > 1
+
+    def validate(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> None:
+        resolve_cp_target(model, config.cp_plan)
+
+    def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:
+        apply_context_parallel(model, config.cp_plan, parallel_state.mesh("cp"))
+        return model

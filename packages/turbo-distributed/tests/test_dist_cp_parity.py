@@ -1,0 +1,86 @@
+"""Ulysses context parallel against the non-CP single-process reference, float32.
+
+Each step's loss rtol 1e-5 for 4 AdamW steps, and the first step's full gradients rtol
+1e-4 / atol 1e-6. The training loop passes full-length inputs, exactly as without CP.
+"""
+
+import pytest
+from cp_jobs import (
+    ODD_BATCHES,
+    count_collectives_run,
+    cp_run,
+    reference_run,
+    tiny_lm_cp_run,
+    tiny_lm_reference,
+)
+from distributed_jobs import BATCHES
+
+from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.multirank
+
+TOL = {"loss_rtol": 1e-5, "grad_rtol": 1e-4, "grad_atol": 1e-6}
+_cache = {}
+TP_PLAN = {"colwise_parallel": ["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj"],
+           "rowwise_parallel": ["*.o_proj", "*.down_proj"]}
+
+
+def reference(kind, batches=BATCHES, model_kwargs=None, loss=None):
+    key = (kind, id(batches), repr(model_kwargs), loss)
+    if key not in _cache:
+        _cache[key] = run_reference(reference_run, kind, batches, model_kwargs, loss, timeout=300)
+    return _cache[key]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("layout", ["cp2xfsdp2", "cp4"])
+def test_cp_parity(kind, layout):
+    """Llama and Qwen3 have 4 heads and 2 K/V heads: at CP=4 each K/V head is replicated."""
+    config = {"context_parallel_size": 2 if layout == "cp2xfsdp2" else 4}
+    for record, implementation in run_distributed(cp_run, 4, kind, BATCHES, config, timeout=300):
+        assert_parity(reference(kind), record, **TOL)
+        assert implementation.startswith("fsdp_turbo_ulysses") and implementation.endswith("sdpa")
+
+
+def test_odd_length_and_ignored_labels_eager_attention():
+    """Sequence 15 over CP=4 (padded to 16), a quarter of the labels -100 and the last CP
+    chunk entirely ignored (no NaN); the model's eager attention is the one wrapped."""
+    kwargs = {"attn_implementation": "eager"}
+    for record, implementation in run_distributed(cp_run, 4, "llama", ODD_BATCHES, {"context_parallel_size": 4},
+                                                  kwargs, "masked", timeout=300):
+        assert_parity(reference("llama", ODD_BATCHES, kwargs, "masked"), record, **TOL)
+        assert implementation.endswith("eager")
+
+
+def test_padding_attention_mask():
+    config = {"context_parallel_size": 2, "fully_shard_parallel_size": 2}
+    for record, _ in run_distributed(cp_run, 4, "qwen3", ODD_BATCHES, config, None, "padded", timeout=300):
+        assert_parity(reference("qwen3", ODD_BATCHES, None, "padded"), record, **TOL)
+
+
+def test_cp2_x_tp2():
+    """4 heads over TP=2 x CP=2; one K/V head per TP rank, replicated for CP."""
+    config = {"context_parallel_size": 2, "tensor_parallel_size": 2, "tp_plan": TP_PLAN}
+    for record, _ in run_distributed(cp_run, 4, "llama", BATCHES, config, timeout=300):
+        assert_parity(reference("llama"), record, **TOL)
+
+
+def test_attention_all_to_all_is_the_only_cp_communication():
+    """One step at CP=4 (FSDP over the 4 ranks too): per decoder layer one all-to-all for
+    Q/K/V and one for the output, each way, plus one scalar all-reduce for the loss; every
+    other collective is FSDP's all-gather / reduce-scatter."""
+    counts = run_distributed(count_collectives_run, 4, "llama", BATCHES, {"context_parallel_size": 4},
+                             timeout=300)[0]
+    layers = 2
+    assert counts.pop("_c10d_functional::all_to_all_single") == 4 * layers
+    assert counts.pop("c10d::allreduce_") == 1
+    assert set(counts) <= {"c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesced",
+                           "c10d::_reduce_scatter_base_", "c10d::reduce_scatter_tensor_coalesced"}, counts
+
+
+def test_non_hf_model_by_attention_function_path():
+    expected = run_reference(tiny_lm_reference, BATCHES, timeout=300)
+    config = {"context_parallel_size": 2, "cp_plan": {"attention_function": "cp_jobs.core_attention"}}
+    for record in run_distributed(tiny_lm_cp_run, 2, BATCHES, config, timeout=300):
+        assert_parity(expected, record, **TOL)
