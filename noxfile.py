@@ -20,7 +20,7 @@ FEATURE_PACKAGES = {
 ALL_PACKAGES = ("turbo-core", "turbo-distributed", "turbo-memory", "turbo-quant", "fsdp-turbo")
 PYTEST = ("pytest", "-n", "2", "--timeout", "900")
 
-nox.options.sessions = ["lint", "build", "core", *FEATURE_PACKAGES, "integration"]
+nox.options.sessions = ["lint", "build", "core", *FEATURE_PACKAGES, "quant_triton", "integration"]
 nox.options.reuse_existing_virtualenvs = False
 
 
@@ -73,6 +73,13 @@ def _feature_session(short: str, dist: str) -> None:
 
 for _short, _dist in FEATURE_PACKAGES.items():
     _feature_session(_short, _dist)
+
+
+@nox.session
+def quant_triton(session: nox.Session) -> None:
+    """turbo-quant's Triton kernels, bit-exact vs the portable ones under Triton's CPU interpreter."""
+    _install(session, _package("turbo-core"), _package("turbo-quant", "[test]"), "triton")
+    session.run("pytest", "--timeout", "900", "packages/turbo-quant/tests/test_quant_triton.py", *session.posargs)
 
 
 @nox.session
