@@ -84,3 +84,14 @@ def test_non_hf_model_by_attention_function_path():
     config = {"context_parallel_size": 2, "cp_plan": {"attention_function": "cp_jobs.core_attention"}}
     for record in run_distributed(tiny_lm_cp_run, 2, BATCHES, config, timeout=300):
         assert_parity(expected, record, **TOL)
+
+
+def test_cp2_x_ep2_moe_sees_local_tokens():
+    """Qwen3-MoE at CP=2 x EP=2: the MoE layers route only their rank's sequence chunk."""
+    from ep_jobs import ep_run
+    from ep_jobs import reference_run as moe_reference_run
+
+    expected = run_reference(moe_reference_run, "qwen3_moe", BATCHES, timeout=300)
+    config = {"context_parallel_size": 2, "expert_parallel_size": 2, "ep_plan": {"dispatcher": "mc2"}}
+    for record, _, _ in run_distributed(ep_run, 4, "qwen3_moe", BATCHES, config, timeout=300):
+        assert_parity(expected, record, **TOL)

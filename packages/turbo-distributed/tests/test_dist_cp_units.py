@@ -1,0 +1,71 @@
+"""Context-parallel pieces in one process: input splitting, K/V replication, validation."""
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+from fsdp_turbo.distributed.context_parallel import CPState, resolve_cp_target
+from fsdp_turbo.distributed.context_parallel.inputs import split_inputs
+from fsdp_turbo.distributed.context_parallel.ulysses import full_causal_mask, replicate_kv, replicated_kv_heads
+
+pytest.importorskip("transformers")
+
+
+def _split(rank, cp=4, **kwargs):
+    state = CPState(group=None, size=cp, rank=rank)
+    return split_inputs(state, kwargs), state.current
+
+
+def test_split_shifts_pads_and_cuts_each_rank_its_chunk():
+    ids = torch.arange(10).reshape(1, 10) + 100
+    labels = ids.clone()
+    labels[0, 3] = -100
+    chunks = [_split(r, input_ids=ids, labels=labels) for r in range(4)]
+    # Padded to 12: 3 tokens a rank; the two padding ids are 0, positions continue.
+    assert torch.cat([c["input_ids"] for c, _ in chunks], 1).tolist() == [[*range(100, 110), 0, 0]]
+    assert torch.cat([c["position_ids"] for c, _ in chunks], 1).tolist() == [list(range(12))]
+    shifted = torch.cat([c["shift_labels"] for c, _ in chunks], 1)[0].tolist()
+    assert shifted == [101, 102, -100, 104, 105, 106, 107, 108, 109, -100, -100, -100]
+    assert all(int(c["num_items_in_batch"]) == 8 for c, _ in chunks)  # the whole sequence's count
+    assert all(c["labels"] is c["shift_labels"] for c, _ in chunks)
+    assert chunks[0][1].seq_len == 12 and chunks[0][1].padding_mask is None
+
+
+def test_all_ignored_sequence_counts_one_not_zero():
+    ids = torch.ones(1, 8, dtype=torch.long)
+    out, _ = _split(0, cp=2, input_ids=ids, labels=torch.full_like(ids, -100))
+    assert int(out["num_items_in_batch"]) == 1
+
+
+def test_padding_mask_is_kept_whole_for_attention():
+    ids = torch.ones(2, 6, dtype=torch.long)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, -2:] = 0
+    out, context = _split(1, cp=2, input_ids=ids, attention_mask=mask)
+    assert out["attention_mask"] is None and context.padding_mask.shape == (2, 6)
+    allowed = full_causal_mask(6, context.padding_mask, torch.float32, torch.device("cpu"), additive=False)
+    assert allowed.shape == (2, 1, 6, 6) and not allowed[1, 0, 5, 4] and allowed[0, 0, 5, 4]
+    additive = full_causal_mask(6, None, torch.float32, torch.device("cpu"), additive=True)
+    assert additive[0, 0, 0, 1] == torch.finfo(torch.float32).min and additive[0, 0, 1, 0] == 0
+
+
+def test_kv_replication_keeps_each_query_head_on_its_kv_head():
+    assert replicated_kv_heads(2, 4) == 4 and replicated_kv_heads(8, 4) == 8 and replicated_kv_heads(6, 4) == 12
+    kv = torch.arange(2).reshape(1, 2, 1, 1).float()
+    assert replicate_kv(kv, 4).flatten().tolist() == [0, 0, 1, 1]
+
+
+def test_validation():
+    assert resolve_cp_target(tiny_hf_causal_lm("llama"), None).hf_implementation == "sdpa"
+    with pytest.raises(ConfigError, match="no recognisable attention"):
+        resolve_cp_target(nn.Sequential(nn.Linear(2, 2)), None)
+    with pytest.raises(ConfigError, match="does not import"):
+        from fsdp_turbo.fsdp_turbo_config import CPPlanConfig
+
+        resolve_cp_target(nn.Linear(2, 2), CPPlanConfig(attention_function="torch.no_such_attention"))
+    flex = tiny_hf_causal_lm("llama")
+    flex.config._attn_implementation = "flex_attention"
+    with pytest.raises(ConfigError, match="cannot wrap"):
+        resolve_cp_target(flex, None)
