@@ -1,10 +1,11 @@
-"""Bit-exactness of the Triton kernels against the portable ones, run under Triton's interpreter.
+"""Bit-exactness of the Triton kernels against the portable ones, run under Triton's interpreter,
+and their ahead-of-time compilation for NVIDIA targets (no GPU needed: Triton ships ptxas).
 
-Run by ``test_quant_triton.py`` in a subprocess with ``TRITON_INTERPRET=1`` (the variable must
-be set before triton is imported, and the test process stays clean). Prints one JSON object:
-case name -> number of mismatched bytes (codes + scales), plus element counts.
+Run by ``test_quant_triton.py`` in subprocesses, so ``TRITON_INTERPRET=1`` is set before triton
+is imported and the test process stays clean. Each prints one JSON object.
 
-    TRITON_INTERPRET=1 python packages/turbo-quant/tests/quant_triton_cases.py
+    TRITON_INTERPRET=1 python packages/turbo-quant/tests/quant_triton_cases.py   # bit-exactness
+    python packages/turbo-quant/tests/quant_triton_cases.py --compile            # sm_90 / sm_100 PTX
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
+import sys
 
 import torch
 
@@ -105,7 +108,48 @@ def run_all() -> dict[str, object]:
     return {"mismatches": results, "elements": elements}
 
 
+def compile_all() -> dict[str, object]:
+    """Compile the kernels to PTX and cubin for sm_90 and sm_100; report what the PTX holds.
+
+    The encoding is meant to be integer-only: no ``.ftz`` float op and no ``fma`` (contraction)
+    may appear, so the codes cannot depend on the GPU's float modes.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fsdp_turbo.quantization.ops import triton_mx
+
+    pointer = {"bf16": "*i16", "fp16": "*fp16", "fp32": "*fp32"}
+    compiled: dict[str, dict[str, int]] = {}
+
+    def build(name: str, kernel, arrays: dict[str, str], scalars: tuple[str, ...], consts: dict, arch: int) -> None:
+        signature = {**arrays, **dict.fromkeys(scalars, "i32"), **dict.fromkeys(consts, "constexpr")}
+        source = ASTSource(fn=kernel, signature=signature, constexprs=consts)
+        binary = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+        ptx = binary.asm["ptx"]
+        compiled[name] = {"cubin_bytes": len(binary.asm["cubin"]), "ftz": len(re.findall(r"\.ftz\b", ptx)),
+                          "fma": len(re.findall(r"\bfma\.", ptx))}
+
+    cases = [("E4M3", "bf16", 1), ("E5M2", "fp16", 1), ("HIF8", "fp32", 1), ("E4M3", "bf16", 4096)]
+    for (fmt, dname, post), arch in itertools.product(cases, (90, 100)):
+        rows_t, block_p2, post_t = triton_mx.tile_shape(32, post)
+        consts = {"BLOCK": 32, "BLOCK_P2": block_p2, "ROWS_T": rows_t, "POST_T": post_t, "BF16": dname == "bf16",
+                  **triton_mx._format_constants(get_format(fmt), "rceil", get_format(fmt).emax_elem)}
+        arrays = {"x_ptr": pointer[dname], "codes_ptr": "*u8", "scale_ptr": "*u8", "table_ptr": "*u8"}
+        build(f"mx.quantize/{fmt}/{dname}/post{post}/sm{arch}", triton_mx._mx_quantize_kernel, arrays,
+              ("rows", "post"), consts, arch)
+    for dname in ("bf16", "fp32"):
+        consts = {"TILE": triton_mx.TILE_ELEMS, "BF16": dname == "bf16", "NAN_CODE": 0x80}
+        build(f"hif8.encode/{dname}/sm100", triton_mx._hif8_encode_kernel,
+              {"x_ptr": pointer[dname], "codes_ptr": "*u8", "table_ptr": "*u8"}, ("n",), consts, 100)
+    return {"compiled": compiled}
+
+
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("set TRITON_INTERPRET=1 (these checks run Triton on CPU tensors)")
-    print(json.dumps(run_all()))
+    if "--compile" in sys.argv:
+        print(json.dumps(compile_all()))
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("set TRITON_INTERPRET=1 (these checks run Triton on CPU tensors), or pass --compile")
+    else:
+        print(json.dumps(run_all()))
