@@ -15,10 +15,11 @@ tile straight from bf16 / fp16 / fp32 memory and, per block, does what ``mx_form
   converts bf16 subnormals wrongly);
 - every element of a 0xFF block gets the format's NaN code.
 
-float64 and other input dtypes go to the portable kernel. Tested bit for bit against the
-portable kernel on CPU under Triton's interpreter (``TRITON_INTERPRET=1``,
-``tests/test_quant_triton.py``); never compiled for a GPU in this repository's CI: the tile
-size (``TILE_ELEMS``) is untuned and GPU bit-exactness rests on ``tools/gpu_check``'s check.
+float64 and other input dtypes go to the portable kernel. ``tests/test_quant_triton.py`` checks
+the kernels bit for bit against the portable ones on CPU under Triton's interpreter
+(``TRITON_INTERPRET=1``) and compiles them for sm_90 / sm_100 (no ``.ftz``, no ``fma`` in the
+PTX). They have not run on a GPU here: the tile size (``TILE_ELEMS``) is untuned, and
+bit-exactness on a GPU is ``tools/gpu_check``'s check.
 """
 
 # ruff: noqa: N803 - Triton's convention: compile-time (tl.constexpr) arguments are in capitals
