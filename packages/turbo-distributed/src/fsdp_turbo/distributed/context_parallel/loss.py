@@ -9,7 +9,6 @@ saw only its chunk, so ``cp x`` its share averaged over cp is the whole gradient
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,11 +33,19 @@ def sum_over_cp(loss: torch.Tensor, group: dist.ProcessGroup, size: int) -> torc
     return _SumOverCP.apply(loss, group, size)
 
 
-class ContextParallelLossFunction:
-    """Wraps an HF ``loss_function``: the local share, then the sum over CP."""
+def install_loss_sum(model: torch.nn.Module, group: dist.ProcessGroup, size: int):
+    """A forward hook on the root: the output's ``loss`` (an HF ``ModelOutput``), or the output
+    itself when the model returns a scalar loss, becomes the full-sequence loss. A hook on the
+    output, not a wrapped ``loss_function``, so features that replace the loss function
+    (chunked loss, loss parallel) compose with it."""
 
-    def __init__(self, inner: Callable[..., torch.Tensor], group: dist.ProcessGroup, size: int) -> None:
-        self.inner, self.group, self.size = inner, group, size
+    def hook(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        loss = getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor):
+            output.loss = sum_over_cp(loss, group, size)
+            return output
+        if isinstance(output, torch.Tensor) and output.dim() == 0:
+            return sum_over_cp(output, group, size)
+        return output
 
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return sum_over_cp(self.inner(*args, **kwargs), self.group, self.size)
+    return model.register_forward_hook(hook, with_kwargs=True)

@@ -12,7 +12,7 @@ from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Stage, Transform
 from fsdp_turbo.distributed.context_parallel.context import CPState
 from fsdp_turbo.distributed.context_parallel.inputs import install_input_splitter
-from fsdp_turbo.distributed.context_parallel.loss import ContextParallelLossFunction
+from fsdp_turbo.distributed.context_parallel.loss import install_loss_sum
 from fsdp_turbo.distributed.context_parallel.plan import CPTarget, resolve_cp_target
 from fsdp_turbo.distributed.context_parallel.ulysses import ulysses_core_attention, ulysses_hf_attention
 from fsdp_turbo.fsdp_turbo_config import CPPlanConfig, FSDPTurboConfig
@@ -44,8 +44,7 @@ def apply_context_parallel(model: nn.Module, plan: CPPlanConfig | None, cp_mesh)
     where = _install_hf(model, state, target.hf_implementation) if target.hf_implementation else (
         _install_function(target, state))
     install_input_splitter(model, state)
-    if hasattr(model, "loss_function"):  # HF models (and others that follow the contract)
-        model.loss_function = ContextParallelLossFunction(model.loss_function, state.group, state.size)
+    install_loss_sum(model, state.group, state.size)
     model.context_parallel_state = state
     _log.info(f"context_parallel over {state.size} ranks: Ulysses around {where}")
     return state
