@@ -15,7 +15,7 @@ import inspect
 import torch
 from torch import nn
 
-from fsdp_turbo.quantization.training.mixin import mix_in
+from fsdp_turbo.core.mixin import mix_in
 from fsdp_turbo.quantization.training.mx_grouped_function import mx_grouped_linear
 from fsdp_turbo.quantization.training.recipe import MXRecipe
 
@@ -71,4 +71,4 @@ class MXFusedExperts(nn.Module):
 
 
 def to_mx_experts(module: nn.Module, recipe: MXRecipe) -> nn.Module:
-    return mix_in(module, MXFusedExperts, recipe)
+    return mix_in(module, MXFusedExperts, "MX", mx_recipe=recipe)

@@ -11,32 +11,15 @@ from __future__ import annotations
 
 import torch
 
+from fsdp_turbo.core.grouped_mm import grouped_mm as core_grouped_mm
 from fsdp_turbo.core.ops import call_op, register_op
 from fsdp_turbo.quantization.training.fake_quant import mx_fake_quantize
 from fsdp_turbo.quantization.training.recipe import MXRecipe
 
 
-def _group_bounds(offsets: torch.Tensor) -> list[tuple[int, int]]:
-    ends = offsets.tolist()
-    return list(zip([0, *ends[:-1]], ends, strict=True))
-
-
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """fp32 grouped GEMM. ``a [M, K] @ b [E, K, N] -> [M, N]``, or ``a [K, M] @ b [M, N] -> [E, K, N]``
-    (the weight-gradient form), groups given by the row (or column) ``offsets`` of ``a``."""
-    a, b = a.float(), b.float()
-    if hasattr(torch, "_grouped_mm"):
-        try:
-            return torch._grouped_mm(a, b, offs=offsets.to(torch.int32))
-        except (NotImplementedError, RuntimeError):
-            pass  # this device or build has no grouped kernel: loop below
-    bounds = _group_bounds(offsets)
-    if b.dim() == 3:
-        out = a.new_empty(a.shape[0], b.shape[-1])
-        for group, (start, end) in enumerate(bounds):
-            torch.mm(a[start:end], b[group], out=out[start:end])
-        return out
-    return torch.stack([a[:, start:end] @ b[start:end] for start, end in bounds])
+    """turbo-core's grouped GEMM, in fp32 (the emulated MX GEMMs run on dequantized values)."""
+    return core_grouped_mm(a.float(), b.float(), offsets)
 
 
 class _MXGroupedLinear(torch.autograd.Function):

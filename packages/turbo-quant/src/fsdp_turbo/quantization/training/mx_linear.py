@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from fsdp_turbo.quantization.training.mixin import mix_in
+from fsdp_turbo.core.mixin import mix_in
 from fsdp_turbo.quantization.training.mx_linear_function import mx_linear
 from fsdp_turbo.quantization.training.recipe import MXRecipe
 
@@ -60,4 +60,4 @@ class MXLinear(nn.Linear):
 
 def to_mx_linear(module: nn.Linear, recipe: MXRecipe) -> MXLinear:
     """Turn ``module`` into an ``MXLinear`` in place (a subclass of its own class)."""
-    return mix_in(module, MXLinear, recipe)
+    return mix_in(module, MXLinear, "MX", mx_recipe=recipe)
