@@ -82,3 +82,12 @@ def stream_context(stream: torch.Stream | None) -> Iterator[None]:
 def pinned_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device_type: str) -> torch.Tensor:
     """A host buffer, pinned where the device can copy from pinned memory asynchronously."""
     return torch.empty(shape, dtype=dtype, pin_memory=has_streams(device_type))
+
+
+def device_name(device_type: str) -> str | None:
+    """The accelerator's product name (e.g. 'NVIDIA H200'), or ``None`` on CPU."""
+    if device_type == "cpu":
+        return None
+    module = getattr(torch, device_type, None)  # torch.cuda, or torch.npu once torch_npu is loaded
+    getter = getattr(module, "get_device_name", None)
+    return getter() if callable(getter) else None

@@ -7,6 +7,7 @@ import itertools
 
 from torch import nn
 
+from fsdp_turbo.core.hf import register_attention_function
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Stage, Transform
@@ -22,11 +23,9 @@ _names = itertools.count()
 
 
 def _install_hf(model: nn.Module, state: CPState, implementation: str) -> str:
-    from transformers.modeling_utils import AttentionInterface
-
     # One registered name per model: the wrapper closes over that model's CP group.
     name = f"fsdp_turbo_ulysses_{next(_names)}_{implementation}"
-    AttentionInterface.register(name, ulysses_hf_attention(state, implementation))
+    register_attention_function(name, ulysses_hf_attention(state, implementation))
     model.config._attn_implementation = name
     return name
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from fsdp_turbo.core.hf import attention_function
 from fsdp_turbo.distributed.context_parallel.all_to_all import heads_to_sequence, sequence_to_heads
 from fsdp_turbo.distributed.context_parallel.context import CPState
 
@@ -61,19 +61,9 @@ def full_causal_mask(seq_len: int, padding: torch.Tensor | None, dtype: torch.dt
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def hf_eager_attention(module: nn.Module) -> Callable[..., Any]:
-    """The eager attention of ``module``'s own modeling file (some models special-case it)."""
-    found = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if found is None:  # a modeling file without one: the reference eager attention
-        from transformers.models.llama.modeling_llama import eager_attention_forward as found
-    return found
-
-
 def ulysses_hf_attention(state: CPState, inner: str) -> Callable[..., Any]:
     """An HF attention function (``AttentionInterface`` signature) that runs ``inner``
     (an implementation name such as ``"sdpa"``) on the whole sequence."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     def attention(module, query, key, value, attention_mask, **kwargs):
         if state.current is None:
             raise RuntimeError("context-parallel attention ran outside a context-parallel forward")
@@ -87,8 +77,7 @@ def ulysses_hf_attention(state: CPState, inner: str) -> Callable[..., Any]:
         gathered = sequence_to_heads(per_rank.flatten(1, 2), group, cp)
         q, k, v = gathered.split(parts, dim=1)
         context = state.current
-        function = hf_eager_attention(module) if inner == "eager" else (
-            ALL_ATTENTION_FUNCTIONS.get_interface(inner, hf_eager_attention(module)))
+        function = attention_function(inner, module)
         mask = full_causal_mask(context.seq_len, context.padding_mask, q.dtype, q.device, additive=inner == "eager")
         with _kv_groups(module, heads // kv_heads):
             out, _ = function(module, q, k, v, mask, **kwargs)
