@@ -91,7 +91,7 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """A small real training job: torchrun, 4 CPU ranks, FSDP, loss printed per step."""
-    _install(session, *(_package(n) for n in ALL_PACKAGES), _package("turbo-core", "[hf]"))
-    session.run("torchrun", "--nproc-per-node", "4", "--standalone", "examples/train_tiny_llama.py",
-                *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    """The demo: `fsdp-turbo train examples/qwen3_moe_tiny.yaml` on 4 CPU ranks (torchrun)."""
+    _install(session, _package("fsdp-turbo"), *(_package(n) for n in ALL_PACKAGES[:-1]))
+    session.run("fsdp-turbo", "train", "examples/qwen3_moe_tiny.yaml", "--nproc-per-node", "4",
+                "--output-dir", str(ROOT / "demo_output"), "--resume", "none", *session.posargs)

@@ -1,0 +1,94 @@
+"""The ``fsdp-turbo`` command.
+
+    fsdp-turbo train JOB.yaml [--nproc-per-node N] [--max-steps N] [--output-dir DIR]
+                              [--save-every N] [--max-restarts N] [--resume auto|none|DIR]
+                              [--stop-at-step N]
+                              [torchrun rendezvous flags: --nnodes, --node-rank, --rdzv-*, ...]
+    fsdp-turbo plan JOB.yaml [--world-size N]
+
+``train`` checks the job file, then hands the job to PyTorch's own launcher
+(``torch.distributed.run``, i.e. torchrun), which starts ``fsdp_turbo.cli.worker`` on every
+rank, restarts the group when a worker dies (``--max-restarts``) and handles multi-node
+rendezvous. ``plan`` is a dry run on the meta device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fsdp_turbo.core.errors import ConfigError
+
+# torchrun flags passed through as they are (multi-node rendezvous and the like).
+TORCHRUN_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id", "--rdzv-conf",
+                  "--master-addr", "--master-port", "--monitor-interval", "--log-dir")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fsdp-turbo", description="FSDPTurbo: train and plan jobs")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train a job with torchrun")
+    train.add_argument("config", help="the job file (YAML or TOML)")
+    train.add_argument("--nproc-per-node", default="1", help="processes per node (torchrun)")
+    train.add_argument("--max-steps", type=int, help="override run.steps")
+    train.add_argument("--output-dir", help="override output_dir")
+    train.add_argument("--save-every", type=int, help="override checkpoint.save_every")
+    train.add_argument("--max-restarts", type=int, default=0, help="restarts after a worker failure (torchrun)")
+    train.add_argument("--resume", default="auto", help="auto (latest complete checkpoint), none, or a folder")
+    train.add_argument("--stop-at-step", type=int, help="stop cleanly after this step (with a checkpoint)")
+    train.add_argument("--standalone", action="store_true", help="single-node rendezvous (the default for one node)")
+    for flag in TORCHRUN_FLAGS:
+        train.add_argument(flag, help="passed to torchrun")
+    plan = commands.add_parser("plan", help="dry run: patterns, mesh layout and per-rank memory")
+    plan.add_argument("config")
+    plan.add_argument("--world-size", type=int, help="default: the product of the job's parallel sizes")
+    return parser
+
+
+def torchrun_args(args: argparse.Namespace) -> list[str]:
+    """The ``torch.distributed.run`` command line for a parsed ``train`` call."""
+    launch = ["--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts)]
+    passed = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in TORCHRUN_FLAGS}
+    for flag, value in passed.items():
+        if value is not None:
+            launch += [flag, str(value)]
+    if args.standalone or (passed["--nnodes"] in (None, "1") and passed["--rdzv-endpoint"] is None
+                           and passed["--master-addr"] is None):
+        launch.append("--standalone")
+    worker = ["-m", "fsdp_turbo.cli.worker", args.config, "--resume", args.resume]
+    for flag in ("max_steps", "output_dir", "save_every", "stop_at_step"):
+        if getattr(args, flag) is not None:
+            worker += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return launch + worker
+
+
+def _static_world(args: argparse.Namespace) -> int | None:
+    nproc, nnodes = str(args.nproc_per_node), str(args.nnodes or 1)
+    return int(nproc) * int(nnodes) if nproc.isdigit() and nnodes.isdigit() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from fsdp_turbo.cli.job_config import JobConfig
+
+    try:
+        job = JobConfig.from_file(args.config)
+        if args.command == "plan":
+            from fsdp_turbo.cli.plan import print_plan
+
+            print_plan(job, args.world_size)
+            return 0
+        world = _static_world(args)
+        if world is not None:  # elastic ranges ("1:4") are checked by the workers
+            job.turbo.validate(world)
+    except ConfigError as error:
+        print(f"fsdp-turbo: {error}", file=sys.stderr)
+        return 2
+    from torch.distributed.run import main as torchrun
+
+    torchrun(torchrun_args(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

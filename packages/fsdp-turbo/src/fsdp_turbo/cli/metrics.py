@@ -1,0 +1,72 @@
+"""Progress on rank 0: a tqdm bar, ``metrics.jsonl`` (a row per step) and ``loss.png``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+METRICS = "metrics.jsonl"
+PLOT = "loss.png"
+
+# Dense bf16 peak TFLOP/s of known accelerators, for MFU (CPU and unknown devices: none).
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0, "Ascend910B": 313.0}
+
+
+def peak_tflops(device_name: str | None) -> float | None:
+    if not device_name:
+        return None
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key.lower() in device_name.lower()), None)
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+class MetricsLog:
+    """Appends one JSON row per step. On resume the rows after the resumed step are dropped,
+    so the file holds one continuous curve."""
+
+    def __init__(self, output_dir: str | Path, resumed_step: int) -> None:
+        self.path = Path(output_dir) / METRICS
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        rows = self.rows() if self.path.exists() else []
+        kept = [r for r in rows if r["step"] <= resumed_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+
+    def rows(self) -> list[dict[str, Any]]:
+        return read_rows(self.path)
+
+    def write(self, row: dict[str, Any]) -> None:
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+
+def plot_loss(output_dir: str | Path) -> Path:
+    """``loss.png``: the loss and the learning rate against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_rows(Path(output_dir) / METRICS)
+    steps = [r["step"] for r in rows]
+    figure, loss_axis = plt.subplots(figsize=(7, 4))
+    loss_axis.plot(steps, [r["loss"] for r in rows], color="tab:blue", label="loss")
+    loss_axis.set_xlabel("step")
+    loss_axis.set_ylabel("loss")
+    lr_axis = loss_axis.twinx()
+    lr_axis.plot(steps, [r["lr"] for r in rows], color="tab:orange", label="lr")
+    lr_axis.set_ylabel("learning rate")
+    figure.legend(loc="upper right")
+    figure.tight_layout()
+    path = Path(output_dir) / PLOT
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def progress_bar(total: int, initial: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, dynamic_ncols=True, unit="step")

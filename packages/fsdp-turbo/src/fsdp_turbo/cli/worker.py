@@ -1,0 +1,144 @@
+"""One rank of ``fsdp-turbo train`` (started by torchrun): build, resume, train, save, export.
+
+    python -m torch.distributed.run --nproc-per-node 4 -m fsdp_turbo.cli.worker JOB.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fsdp_turbo.cli.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from fsdp_turbo.cli.data import PackedWindows, byte_tokens, resolve_files
+from fsdp_turbo.cli.job_config import JobConfig
+from fsdp_turbo.cli.metrics import MetricsLog, peak_tflops, plot_loss, progress_bar
+from fsdp_turbo.cli.model import build_model, export_hf
+from fsdp_turbo.cli.optim import build_optimizer, build_scheduler, clip_grad_norm
+from fsdp_turbo.core.device import current_device, device_name
+from fsdp_turbo.core.logging import get_logger
+
+_log = get_logger(__name__)
+# Fault injection for the tests: "STEP:RANK" SIGKILLs that rank at that step, first attempt only.
+KILL_ENV = "FSDP_TURBO_KILL_AT_STEP"
+
+
+def _maybe_kill(step: int, rank: int) -> None:
+    target = os.environ.get(KILL_ENV)
+    if target and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        kill_step, kill_rank = (int(v) for v in target.split(":"))
+        if (step, rank) == (kill_step, kill_rank):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _world_mean(value: torch.Tensor) -> float:
+    value = value.detach().float().reshape(1).clone()
+    if dist.is_initialized():
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return float(value)
+
+
+def _flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    # 6 N (forward + backward matmuls) + attention scores 12 L H S, as in the PaLM appendix.
+    config = getattr(model, "config", None)
+    params = sum(p.numel() for p in model.parameters())
+    layers, hidden = getattr(config, "num_hidden_layers", 0), getattr(config, "hidden_size", 0)
+    return 6 * params + 12 * layers * hidden * seq_len
+
+
+def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None) -> dict:
+    """Train ``job`` from its latest checkpoint (``resume``). ``stop_at_step`` ends the run
+    cleanly after that step, with a checkpoint, as at the end of a time-limited allocation;
+    the learning-rate schedule still spans ``run.steps``."""
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    run, output = job.run, Path(job.output_dir)
+    model = build_model(job.model, run.seed)
+    flops_per_token = _flops_per_token(model, job.data.seq_len)
+    model = FSDPTurbo(job.turbo, model)
+    state = model.parallel_state
+    rank0 = state.rank == 0
+    params = list(model.parameters())
+    optimizer = build_optimizer(params, job.optimizer)
+    scheduler = build_scheduler(optimizer, job.optimizer, run.steps)
+    loader = PackedWindows(byte_tokens(resolve_files(job.data.files), job.data.max_bytes), job.data.seq_len, run.seed)
+    start = 0
+    checkpoint = resolve_resume(resume, output)
+    if checkpoint is not None:
+        meta = load_checkpoint(checkpoint, model, optimizer)
+        scheduler.load_state_dict(meta["scheduler"])
+        loader.load_state_dict(meta["data"])
+        start = int(meta["step"])
+        _log.info(f"resumed from {checkpoint} at step {start}")
+    metrics = MetricsLog(output, start) if rank0 else None
+    device = current_device(state.device_type)
+    peak = peak_tflops(device_name(device.type))
+    tokens_per_step = run.micro_batch * state.dp_size * run.grad_accum * job.data.seq_len
+    bar = progress_bar(run.steps, start, rank0)
+    last = min(run.steps, stop_at_step) if stop_at_step is not None else run.steps
+    for step in range(start + 1, last + 1):
+        began = time.perf_counter()
+        total = torch.zeros((), device=device)
+        for _ in range(run.grad_accum):
+            batch = loader.next_batch(run.micro_batch, state.dp_rank, state.dp_size).to(device)
+            loss = model(input_ids=batch, labels=batch).loss
+            (loss / run.grad_accum).backward()
+            total += loss.detach()
+        grad_norm = clip_grad_norm(params, job.optimizer.grad_clip)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = _world_mean(total / run.grad_accum)
+        seconds = time.perf_counter() - began
+        tokens_per_s = tokens_per_step / seconds
+        tflops = flops_per_token * tokens_per_s / state.world_size / 1e12
+        if rank0:
+            row = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                   "tokens_per_s": tokens_per_s, "tflops_per_rank": tflops}
+            if peak:
+                row["mfu"] = tflops / peak
+            metrics.write(row)
+            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens_per_s:,.0f}", tflops=f"{tflops:.3f}")
+            bar.update(1)
+        _maybe_kill(step, state.rank)
+        save_every = job.checkpoint.save_every
+        if (save_every and step % save_every == 0) or step == last:
+            extra = {"scheduler": scheduler.state_dict(), "data": loader.state_dict(),
+                     "world_size": state.world_size, "layout": state.describe()}
+            save_checkpoint(output, step, model, optimizer, extra, job.checkpoint.keep)
+    bar.close()
+    if last == run.steps:
+        export_hf(model, job.model, output / "final")
+        if rank0:
+            plot_loss(output)
+    return {"last_step": last, "resumed_from": start}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="one rank of fsdp-turbo train")
+    parser.add_argument("config")
+    parser.add_argument("--max-steps", type=int)
+    parser.add_argument("--output-dir")
+    parser.add_argument("--save-every", type=int)
+    parser.add_argument("--resume", default="auto")
+    parser.add_argument("--stop-at-step", type=int)
+    args = parser.parse_args(argv)
+    job = JobConfig.from_file(args.config).with_overrides(
+        max_steps=args.max_steps, output_dir=args.output_dir, save_every=args.save_every)
+    # DTensor's note that a 2-D (efsdp x ep) gradient norm takes two all-reduces, every step.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    train(job, args.resume, args.stop_at_step)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
