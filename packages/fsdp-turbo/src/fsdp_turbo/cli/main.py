@@ -15,6 +15,7 @@ rendezvous. ``plan`` is a dry run on the meta device.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from fsdp_turbo.core.errors import ConfigError
@@ -86,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from torch.distributed.run import main as torchrun
 
+    # Restarted workers must not share the rendezvous TCPStore of the failed attempt: with it
+    # they can read the dead attempt's peer addresses (pytorch/pytorch#135712; seen here as
+    # gloo "connection refused" and hangs after a kill -9).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     torchrun(torchrun_args(args))
     return 0
 
