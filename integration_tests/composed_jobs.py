@@ -148,3 +148,16 @@ def fsdp_head_unit_run(kind: str = "llama"):
     state = model.parallel_state
     local = [shard_rows(b, state.dp_rank, state.dp_size) for b in BATCHES]
     return train_steps(model, local, loss_fn=labelled_loss), _params(model)
+
+
+def mx_ep_run(dispatcher: str):
+    """MXFP8 (Linear layers and fused experts) with FSDP over every rank x EP=2."""
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    config = {"expert_parallel_size": 2, "ep_plan": {"apply_modules": ["*mlp.experts"], "dispatcher": dispatcher},
+              "quantization_plan": MX_PLAN}
+    model = FSDPTurbo(config, tiny_hf_causal_lm("qwen3_moe"))
+    state = model.parallel_state
+    experts = type(model.get_submodule("model.layers.0.mlp.experts")).__name__
+    local = [shard_rows(b, state.dp_rank, state.dp_size) for b in BATCHES]
+    return train_steps(model, local, loss_fn=labelled_loss), _params(model), experts

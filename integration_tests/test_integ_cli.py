@@ -81,7 +81,7 @@ def test_train_writes_metrics_plot_checkpoints_and_an_hf_model(reference):
 
     rows = metrics(reference)
     assert [r["step"] for r in rows] == list(range(1, 7))
-    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(rows[0])
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_mib"} <= set(rows[0])
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert (reference / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     steps = sorted(int(p.name.split("-")[1]) for p in (reference / "checkpoints").glob("step-*"))
@@ -97,7 +97,8 @@ def test_resume_after_a_clean_stop_continues_exactly(job_file, reference, tmp_pa
     train(job_file, tmp_path, 2, "--stop-at-step", 3)
     assert not (tmp_path / "final").exists() and (tmp_path / "checkpoints" / "step-3").is_dir()
     train(job_file, tmp_path)
-    assert metrics(tmp_path) == [{**row, "tokens_per_s": r["tokens_per_s"], "tflops_per_rank": r["tflops_per_rank"]}
+    timing = ("tokens_per_s", "tflops_per_rank", "peak_memory_mib")  # measured, so they differ
+    assert metrics(tmp_path) == [{**row, **{k: r[k] for k in timing}}
                                  for row, r in zip(metrics(reference), metrics(tmp_path), strict=True)]
     assert_same_weights(weights(tmp_path), weights(reference))
 

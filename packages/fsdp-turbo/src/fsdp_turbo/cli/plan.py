@@ -9,8 +9,10 @@ Linear/Embedding weights, experts over ``ep x efsdp``, ``dp_replicate`` replicas
 two fp32 states per parameter and a step count (none on the device with ``swap_optimizer``). Activations per
 micro-batch are a formula, not a measurement: per decoder layer ``tokens x (16 H + 3 I)``
 values kept for backward without recompute, ``tokens x H`` with full recompute (``x 8 H``
-selective), where ``tokens = micro_batch x seq_len / cp`` and ``I`` is the active MLP width;
-plus the fp32 logits and their gradient (one chunk of them with the chunked loss).
+selective), where ``tokens = micro_batch x seq_len / cp`` and ``I`` is the active MLP width,
+about two blocks' worth with activation swap; plus the fp32 logits and their gradient (one
+chunk of them with the chunked loss). MX quantization keeps fp32 master weights, so it does
+not change the model state.
 """
 
 from __future__ import annotations
@@ -121,6 +123,10 @@ def _activations(model: nn.Module, job: JobConfig, sizes: ParallelSizes) -> int:
         kept = layers * per_layer + tokens * (16 * hidden + 3 * inter)  # one layer re-run at a time
     else:
         kept = layers * tokens * (16 * hidden + 3 * inter)
+    if config.swap_activation:
+        # Swapped blocks keep their saved tensors on the host; about two blocks' worth (the one
+        # running and the one prefetched back) stays on the device.
+        kept = min(kept, 2 * kept // max(layers, 1))
     vocab = getattr(hf, "vocab_size", 0)
     logit_rows = min(tokens, config.chunk_loss_plan.chunk_size) if config.chunk_loss else tokens
     return (kept + 2 * logit_rows * vocab // (sizes.tp if config.tp_plan and config.tp_plan.loss_parallel else 1)) * 4

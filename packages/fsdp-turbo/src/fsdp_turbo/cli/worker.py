@@ -21,7 +21,7 @@ from fsdp_turbo.cli.job_config import JobConfig
 from fsdp_turbo.cli.metrics import MetricsLog, peak_tflops, plot_loss, progress_bar
 from fsdp_turbo.cli.model import build_model, export_hf
 from fsdp_turbo.cli.optim import build_optimizer, build_scheduler, clip_grad_norm
-from fsdp_turbo.core.device import current_device, device_name
+from fsdp_turbo.core.device import current_device, device_name, peak_memory_bytes
 from fsdp_turbo.core.logging import get_logger
 
 _log = get_logger(__name__)
@@ -101,12 +101,14 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
         tokens_per_s = tokens_per_step / seconds
         tflops = flops_per_token * tokens_per_s / state.world_size / 1e12
         if rank0:
+            peak_mib = peak_memory_bytes(device.type) / 2**20
             row = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                   "tokens_per_s": tokens_per_s, "tflops_per_rank": tflops}
+                   "tokens_per_s": tokens_per_s, "tflops_per_rank": tflops, "peak_memory_mib": peak_mib}
             if peak:
                 row["mfu"] = tflops / peak
             metrics.write(row)
-            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens_per_s:,.0f}", tflops=f"{tflops:.3f}")
+            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens_per_s:,.0f}", tflops=f"{tflops:.3f}",
+                            **({"mfu": f"{row['mfu']:.1%}"} if peak else {}), peak_mem=f"{peak_mib:,.0f}MiB")
             bar.update(1)
         _maybe_kill(step, state.rank)
         save_every = job.checkpoint.save_every

@@ -91,3 +91,13 @@ def device_name(device_type: str) -> str | None:
     module = getattr(torch, device_type, None)  # torch.cuda, or torch.npu once torch_npu is loaded
     getter = getattr(module, "get_device_name", None)
     return getter() if callable(getter) else None
+
+
+def peak_memory_bytes(device_type: str) -> int:
+    """Peak memory so far: the accelerator's allocated high-water mark, or on CPU this
+    process's resident-set high-water mark (which includes the interpreter and libraries)."""
+    if device_type == "cpu":
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return torch.accelerator.max_memory_allocated()

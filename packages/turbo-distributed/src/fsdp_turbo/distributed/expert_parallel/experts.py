@@ -27,6 +27,7 @@ from torch import nn
 
 from fsdp_turbo.core.grouped_mm import grouped_linear
 from fsdp_turbo.core.logging import get_logger, warn_once
+from fsdp_turbo.core.ops import call_op
 
 FORWARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
 _log = get_logger(__name__)
@@ -39,6 +40,15 @@ def has_router_forward(module: nn.Module) -> bool:
     except (TypeError, ValueError):
         return False
     return params[:3] == FORWARD_ARGS
+
+
+# Experts converted to MX training by turbo-quant carry ``mx_recipe``; turbo-quant registers
+# their grouped forward under this op name (no import between the two packages).
+QUANTIZED_EXPERTS_OP = "mx.experts_grouped"
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return getattr(module, "mx_recipe", None) is not None
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -132,6 +142,10 @@ class FusedExperts(ExpertAdapter):
         return module.act_fn(gate) * up
 
     def eager(self, module: nn.Module, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        if is_quantized(module):  # MX experts only come as grouped GEMMs
+            order = torch.argsort(expert, stable=True)
+            sizes = torch.bincount(expert, minlength=local_tensor(module.gate_up_proj).shape[0])
+            return self.grouped(module, x[order], sizes)[torch.argsort(order)]
         gate_up, down, gate_up_bias, down_bias = self._weights(module)
 
         def run(e: int, rows: torch.Tensor) -> torch.Tensor:
@@ -141,6 +155,8 @@ class FusedExperts(ExpertAdapter):
         return _loop_over_experts(x, expert, gate_up.shape[0], run)
 
     def grouped(self, module: nn.Module, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        if is_quantized(module):
+            return call_op(QUANTIZED_EXPERTS_OP, x.device.type, module, x, group_sizes)
         gate_up, down, gate_up_bias, down_bias = self._weights(module)
         offsets = torch.cumsum(group_sizes, 0)
 

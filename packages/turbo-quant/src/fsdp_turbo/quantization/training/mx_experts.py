@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fsdp_turbo.core.mixin import mix_in
+from fsdp_turbo.core.ops import register_op
 from fsdp_turbo.quantization.training.mx_grouped_function import mx_grouped_linear
 from fsdp_turbo.quantization.training.recipe import MXRecipe
 
@@ -40,6 +41,31 @@ def experts_unsupported(module: nn.Module, recipe: MXRecipe) -> str | None:
     return f"{', '.join(bad)} not divisible by block_size={recipe.block_size}" if bad else None
 
 
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    # Expert parallel keeps each rank's experts as a DTensor block; the GEMMs take the block.
+    to_local = getattr(weight, "to_local", None)
+    return to_local() if callable(to_local) else weight
+
+
+@register_op("mx.experts_grouped")
+def mx_experts_grouped(module: nn.Module, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """An MX experts module on expert-major rows: ``x [M, H]`` with ``group_sizes[e]`` rows for
+    expert ``e`` -> ``[M, H]``. Each group is padded with zero rows to whole blocks, so every
+    wgrad block along the tokens holds one expert's rows. Expert parallel calls this op (by
+    name, through the op registry) for experts that were converted to MX."""
+    recipe: MXRecipe = module.mx_recipe
+    block = recipe.block_size
+    padded = (group_sizes + block - 1) // block * block
+    expert = torch.repeat_interleave(torch.arange(group_sizes.numel(), device=x.device), group_sizes,
+                                     output_size=x.shape[0])
+    rank_in_group = torch.arange(x.shape[0], device=x.device) - (torch.cumsum(group_sizes, 0) - group_sizes)[expert]
+    rows = (torch.cumsum(padded, 0) - padded)[expert] + rank_in_group
+    padded_x = x.new_zeros(int(padded.sum()), x.shape[-1]).index_copy(0, rows, x)
+    offsets = torch.cumsum(padded, 0)
+    gate, up = mx_grouped_linear(padded_x, _local(module.gate_up_proj), offsets, recipe).chunk(2, dim=-1)
+    return mx_grouped_linear(module.act_fn(gate) * up, _local(module.down_proj), offsets, recipe)[rows]
+
+
 class MXFusedExperts(nn.Module):
     """Mixed into the experts' own class by :func:`to_mx_experts`; parameters are untouched."""
 
@@ -47,25 +73,14 @@ class MXFusedExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        recipe = self.mx_recipe
         num_experts = self.gate_up_proj.shape[0]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
-        routed = int(counts.sum())  # indices >= num_experts (dropped tokens) sort last
-        order = order[:routed]
+        order = order[: int(counts.sum())]  # indices >= num_experts (dropped tokens) sort last
         tokens = order // top_k_index.shape[-1]
-        # Expert-major rows, each group padded with zero rows to a whole number of blocks.
-        padded = (counts + recipe.block_size - 1) // recipe.block_size * recipe.block_size
-        group_start = torch.cumsum(padded, 0) - padded
-        rank_in_group = torch.arange(routed, device=flat.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
-        rows = group_start[flat[order]] + rank_in_group
-        x = hidden_states.new_zeros(int(padded.sum()), hidden_states.shape[-1])
-        x = x.index_copy(0, rows, hidden_states[tokens])
-        offsets = torch.cumsum(padded, 0)
-        gate, up = mx_grouped_linear(x, self.gate_up_proj, offsets, recipe).chunk(2, dim=-1)
-        out = mx_grouped_linear(self.act_fn(gate) * up, self.down_proj, offsets, recipe)
-        weighted = out[rows] * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        out = mx_experts_grouped(self, hidden_states[tokens], counts)
+        weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
         final = torch.zeros_like(hidden_states)
         return final.index_add_(0, tokens, weighted.to(final.dtype))
 
