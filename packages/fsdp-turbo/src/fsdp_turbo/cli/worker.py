@@ -24,7 +24,7 @@ from fsdp_turbo.cli.optim import build_optimizer, build_scheduler, clip_grad_nor
 from fsdp_turbo.core.device import current_device, device_name, peak_memory_bytes
 from fsdp_turbo.core.logging import get_logger
 
-_log = get_logger(__name__)
+_log = get_logger("fsdp_turbo.cli.worker")  # not "__main__" under python -m
 # Fault injection for the tests: "STEP:RANK" SIGKILLs that rank at that step, first attempt only.
 KILL_ENV = "FSDP_TURBO_KILL_AT_STEP"
 
