@@ -161,3 +161,20 @@ def mx_ep_run(dispatcher: str):
     experts = type(model.get_submodule("model.layers.0.mlp.experts")).__name__
     local = [shard_rows(b, state.dp_rank, state.dp_size) for b in BATCHES]
     return train_steps(model, local, loss_fn=labelled_loss), _params(model), experts
+
+
+MATRIX_BATCHES = make_token_batches(vocab_size=256, global_batch=8, seq_len=16, steps=4, seed=5)
+
+
+def matrix_reference_run(kind: str):
+    return train_steps(tiny_hf_causal_lm(kind), MATRIX_BATCHES, loss_fn=labelled_loss)
+
+
+def matrix_run(kind: str, config: dict) -> TrainRecord:
+    """One layout of the composition matrix, through the facade, on the data-parallel shards."""
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    model = FSDPTurbo(config, tiny_hf_causal_lm(kind))
+    state = model.parallel_state
+    local = [shard_rows(b, state.dp_rank, state.dp_size) for b in MATRIX_BATCHES]
+    return train_steps(model, local, loss_fn=labelled_loss)
