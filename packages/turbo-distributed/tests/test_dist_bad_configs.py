@@ -62,8 +62,9 @@ MOE_CASES = {
                                     "ep_plan.apply_modules", None),
     "ep_pattern_matches_a_dense_mlp": ({**EP, "ep_plan": {"apply_modules": ["model.layers.*.mlp"]}},
                                        "ep_plan.apply_modules", None),
-    "ep_with_tensor_parallel": ({**EP, "ep_plan": {}, "tensor_parallel_size": 2,
-                                 "tp_plan": {"colwise_parallel": ["*.q_proj"]}}, "expert_parallel_size", None),
+    "ep_with_tp_but_no_sequence_parallel": ({**EP, "ep_plan": {}, "tensor_parallel_size": 2,
+                                             "tp_plan": {"colwise_parallel": ["*.q_proj"]}},
+                                            "tp_plan.sequence_parallel", None),
     "efsdp_does_not_divide_world": ({**EP, "ep_plan": {}, "expert_fully_shard_parallel_size": 3},
                                     "expert_fully_shard_parallel_size", None),
 }

@@ -49,6 +49,13 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", torch.float32).clone()
 
 
+def sqnr_db(reference: torch.Tensor, value: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``value`` against ``reference``, in dB."""
+    reference, value = reference.double(), value.double()
+    noise = (reference - value).pow(2).sum().clamp_min(1e-300)
+    return float(10 * torch.log10(reference.pow(2).sum().clamp_min(1e-300) / noise))
+
+
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """The HF causal-LM loss with labels = inputs (HF shifts them)."""
     return model(input_ids=input_ids, labels=input_ids).loss

@@ -40,10 +40,14 @@ class ExpertParallelTransform(Transform):
         return parallel_state.ep_size > 1
 
     def validate(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> None:
-        if parallel_state.tp_size > 1:
-            raise ConfigError("expert_parallel_size", parallel_state.ep_size,
-                              "use tensor_parallel_size=1 with expert parallel for now",
-                              reason="expert parallel does not compose with tensor parallel yet")
+        if parallel_state.tp_size > 1 and not config.tp_plan.sequence_parallel:
+            # Without sequence parallel every TP rank holds the same tokens and would send
+            # them all to the experts again (Megatron requires sequence parallel here too).
+            raise ConfigError("tp_plan.sequence_parallel", list(config.tp_plan.sequence_parallel),
+                              "enable sequence parallel (e.g. ['*layernorm', 'model.norm']) with expert "
+                              "parallel and tensor parallel together",
+                              reason="expert parallel with tensor parallel needs each TP rank to hold its "
+                                     "own tokens")
         resolve_ep_plan(model, config.ep_plan, parallel_state.ep_size)
 
     def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:

@@ -4,7 +4,7 @@ ConfigError, never communicates, so it runs on every rank before any collective.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -84,14 +84,25 @@ def _tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
     return [group for group in owners.values() if len(group) > 1]
 
 
-def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int) -> ResolvedTPPlan:
-    """Validate ``plan`` on ``model`` and choose a style for every module TP touches."""
-    colwise = match_modules(model, plan.colwise_parallel, field="tp_plan.colwise_parallel") \
-        if plan.colwise_parallel else {}
-    rowwise = match_modules(model, plan.rowwise_parallel, field="tp_plan.rowwise_parallel") \
-        if plan.rowwise_parallel else {}
-    sequence = match_modules(model, plan.sequence_parallel, field="tp_plan.sequence_parallel", outermost=True) \
-        if plan.sequence_parallel else {}
+def _outside(exclude: Collection[str]) -> Callable[[str, nn.Module], bool]:
+    prefixes = tuple(name + "." for name in exclude)
+    return lambda name, _module: name not in exclude and not name.startswith(prefixes)
+
+
+def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int, exclude: Collection[str] = ()) -> ResolvedTPPlan:
+    """Validate ``plan`` on ``model`` and choose a style for every module TP touches.
+
+    Modules in ``exclude`` (expert-parallel containers) and everything inside them are
+    left to their own transform: patterns do not see them and no style is chosen."""
+    keep = _outside(frozenset(exclude))
+
+    def pick(patterns, field_name, outermost=False):
+        return match_modules(model, patterns, field=field_name, outermost=outermost, module_filter=keep) \
+            if patterns else {}
+
+    colwise = pick(plan.colwise_parallel, "tp_plan.colwise_parallel")
+    rowwise = pick(plan.rowwise_parallel, "tp_plan.rowwise_parallel")
+    sequence = pick(plan.sequence_parallel, "tp_plan.sequence_parallel", outermost=True)
     check_disjoint({"tp_plan.colwise_parallel": colwise, "tp_plan.rowwise_parallel": rowwise,
                     "tp_plan.sequence_parallel": sequence})
     _check_types_and_sizes(colwise, "tp_plan.colwise_parallel", tp, colwise=True)
@@ -109,7 +120,7 @@ def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int) -> ResolvedTP
     hook_parents = {p for p in hook_parents if p and p not in block_names and p not in planned}
     head_local = {
         name: module for name, module in model.named_modules()
-        if name and name not in planned and _parent(name) in hook_parents
+        if name and keep(name, module) and name not in planned and _parent(name) in hook_parents
         and _own_params(module) and not _children_own_params(module)
     }
 
@@ -144,7 +155,7 @@ def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int) -> ResolvedTP
     # sees only this rank's tokens: an MoE router or its experts.
     sequence_local = (lambda name: any(name.startswith(b + ".") for b in block_names)
                       and not any(name.startswith(p + ".") for p in hook_parents)) if sp else (lambda name: False)
-    _replicate_the_rest(model, resolved, colwise, rowwise, sequence_local)
+    _replicate_the_rest(model, resolved, colwise, rowwise, sequence_local, keep)
     resolved.tied = _check_tied(model, resolved)
     return resolved
 
@@ -187,10 +198,10 @@ def _check_sequence_region(model: nn.Module, plan: TPPlanConfig, blocks: dict, s
 
 
 def _replicate_the_rest(model: nn.Module, resolved: ResolvedTPPlan, colwise: dict, rowwise: dict,
-                        sequence_local: Callable[[str], bool]) -> None:
+                        sequence_local: Callable[[str], bool], keep: Callable[[str, nn.Module], bool]) -> None:
     sharded = set(colwise) | set(rowwise)
     for name, module in model.named_modules():
-        if not name or name in resolved.styles or name in sharded or not _own_params(module):
+        if not name or not keep(name, module) or name in resolved.styles or name in sharded or not _own_params(module):
             continue
         if _children_own_params(module):
             raise ConfigError("tp_plan", name, "give its parameters their own leaf module, or shard it",

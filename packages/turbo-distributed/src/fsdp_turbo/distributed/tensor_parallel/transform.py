@@ -8,6 +8,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Stage, Transform
+from fsdp_turbo.distributed.expert_parallel.plan import resolve_ep_plan
 from fsdp_turbo.distributed.tensor_parallel.loss import LossParallelLossFunction
 from fsdp_turbo.distributed.tensor_parallel.plan import ResolvedTPPlan, resolve_tp_plan
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
@@ -42,11 +43,16 @@ class TensorParallelTransform(Transform):
     def is_enabled(self, config: FSDPTurboConfig, parallel_state: ParallelState) -> bool:
         return parallel_state.tp_size > 1
 
+    def _resolve(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> ResolvedTPPlan:
+        # Expert-parallel containers split by expert, not by TP: TP leaves them alone.
+        experts = resolve_ep_plan(model, config.ep_plan, parallel_state.ep_size) if parallel_state.ep_size > 1 else {}
+        return resolve_tp_plan(model, config.tp_plan, parallel_state.tp_size, exclude=experts)
+
     def validate(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> None:
-        resolve_tp_plan(model, config.tp_plan, parallel_state.tp_size)
+        self._resolve(config, model, parallel_state)
 
     def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:
-        resolved = resolve_tp_plan(model, config.tp_plan, parallel_state.tp_size)
+        resolved = self._resolve(config, model, parallel_state)
         apply_tp_plan(model, resolved, parallel_state.mesh("tp"))
         counts: dict[str, int] = {}
         for kind in resolved.kinds.values():
