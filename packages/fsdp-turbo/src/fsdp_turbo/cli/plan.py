@@ -143,9 +143,9 @@ def matched_patterns(model: nn.Module, job: JobConfig, state: ParallelState) -> 
         out["fsdp_plan.apply_modules"] = list(selection.units)
         out["fsdp_plan.ignored_modules"] = list(selection.ignored)
     if sizes.tp > 1:
-        from fsdp_turbo.distributed.tensor_parallel.plan import resolve_tp_plan
+        from fsdp_turbo.distributed.tensor_parallel.transform import resolve_config_tp_plan
 
-        resolved = resolve_tp_plan(model, config.tp_plan, sizes.tp)
+        resolved = resolve_config_tp_plan(model, config, sizes.tp, sizes.ep)
         by_kind: dict[str, list[str]] = defaultdict(list)
         for name, kind in resolved.kinds.items():
             by_kind[kind].append(name)
@@ -172,8 +172,10 @@ def matched_patterns(model: nn.Module, job: JobConfig, state: ParallelState) -> 
         out["chunk_loss_plan.head_module"] = [resolve_head(model, config.chunk_loss_plan.head_module)[0]]
     if config.quantization_plan is not None:
         from fsdp_turbo.quantization.converter.plan import plan_conversion
+        from fsdp_turbo.quantization.transform import tensor_parallel_unsuitable
 
-        conversions = plan_conversion(model, config.quantization_plan)
+        conversions = plan_conversion(model, config.quantization_plan,
+                                      unsuitable=tensor_parallel_unsuitable(model, config))
         out["quantization_plan"] = [f"{c.name} ({c.converter.name})" for c in conversions]
     return out
 

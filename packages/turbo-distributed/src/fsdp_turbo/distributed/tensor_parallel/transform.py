@@ -23,6 +23,13 @@ def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
             setattr(model.get_submodule(module_name), param_name, shared)
 
 
+def resolve_config_tp_plan(model: nn.Module, config: FSDPTurboConfig, tp: int, ep: int) -> ResolvedTPPlan:
+    """The facade's TP plan: expert-parallel containers are split by expert, not by TP,
+    so with ``ep > 1`` TP leaves them alone."""
+    experts = resolve_ep_plan(model, config.ep_plan, ep) if ep > 1 else {}
+    return resolve_tp_plan(model, config.tp_plan, tp, exclude=experts)
+
+
 def apply_tp_plan(model: nn.Module, resolved: ResolvedTPPlan, tp_mesh) -> nn.Module:
     """Apply resolved styles (usable without the facade)."""
     for name, style in resolved.styles.items():
@@ -43,16 +50,11 @@ class TensorParallelTransform(Transform):
     def is_enabled(self, config: FSDPTurboConfig, parallel_state: ParallelState) -> bool:
         return parallel_state.tp_size > 1
 
-    def _resolve(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> ResolvedTPPlan:
-        # Expert-parallel containers split by expert, not by TP: TP leaves them alone.
-        experts = resolve_ep_plan(model, config.ep_plan, parallel_state.ep_size) if parallel_state.ep_size > 1 else {}
-        return resolve_tp_plan(model, config.tp_plan, parallel_state.tp_size, exclude=experts)
-
     def validate(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> None:
-        self._resolve(config, model, parallel_state)
+        resolve_config_tp_plan(model, config, parallel_state.tp_size, parallel_state.ep_size)
 
     def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:
-        resolved = self._resolve(config, model, parallel_state)
+        resolved = resolve_config_tp_plan(model, config, parallel_state.tp_size, parallel_state.ep_size)
         apply_tp_plan(model, resolved, parallel_state.mesh("tp"))
         counts: dict[str, int] = {}
         for kind in resolved.kinds.values():
