@@ -189,3 +189,23 @@ def matrix_run(kind: str, config: dict) -> TrainRecord:
     state = model.parallel_state
     local = [shard_rows(b, state.dp_rank, state.dp_size) for b in MATRIX_BATCHES]
     return train_steps(model, local, loss_fn=labelled_loss)
+
+
+
+def compile_pair_run(kind: str, config: dict, model_kwargs: dict) -> tuple[TrainRecord, TrainRecord, dict]:
+    """The same layout trained twice on this rank, without and with per-block compile;
+    also dynamo's graph-break and graph counts and the activations swapped out, compiled."""
+    from torch._dynamo.utils import counters
+
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+    from fsdp_turbo.memory.swap_activation.transform import SWAPPER_ATTR
+
+    records = []
+    for compile_blocks in (False, True):
+        model = FSDPTurbo({**config, "compile": compile_blocks}, tiny_hf_causal_lm(kind, **model_kwargs))
+        state = model.parallel_state
+        local = [shard_rows(b, state.dp_rank, state.dp_size) for b in MATRIX_BATCHES]
+        records.append(train_steps(model, local, loss_fn=labelled_loss))
+    facts = {"graph_breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"],
+             "swapped_out": getattr(model, SWAPPER_ATTR).stats.tensors_out if hasattr(model, SWAPPER_ATTR) else 0}
+    return *records, facts

@@ -27,10 +27,11 @@ def _params(model):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("policy", POLICIES, ids=["full", "selective", "ops"])
-def test_plain_api_is_bitwise(kind, policy):
+@pytest.mark.parametrize("traceable", [False, True], ids=["hooks", "traceable"])
+def test_plain_api_is_bitwise(kind, policy, traceable):
     reference = tiny_hf_causal_lm(kind, seed=0)
     model = tiny_hf_causal_lm(kind, seed=0)
-    apply_recompute(model.model.layers, policy)
+    apply_recompute(model.model.layers, policy, traceable=traceable)
     expected, got = train_steps(reference, BATCHES), train_steps(model, BATCHES)
     _assert_bitwise(expected, got)
     after = _params(model)
@@ -56,10 +57,10 @@ def test_default_plan_is_the_repeated_blocks():
     assert [is_recomputed(m) for m in model.model.layers] == [True, True]
 
 
-def _activation_bytes_after_forward(layers: int, policy: str | None, batch=2, seq=128) -> int:
+def _activation_bytes_after_forward(layers: int, policy: str | None, batch=2, seq=128, traceable=False) -> int:
     model = tiny_hf_causal_lm("llama", seed=0, num_hidden_layers=layers)
     if policy:
-        apply_recompute(model.model.layers, policy)
+        apply_recompute(model.model.layers, policy, traceable=traceable)
     ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(0))
     tracker = MemTracker()
     tracker.track_external(model)
@@ -71,14 +72,19 @@ def _activation_bytes_after_forward(layers: int, policy: str | None, batch=2, se
     return acts
 
 
-def test_full_recompute_keeps_only_the_layer_inputs():
+@pytest.mark.parametrize("traceable", [False, True], ids=["hooks", "traceable"])
+def test_full_recompute_keeps_only_the_layer_inputs(traceable):
     # Adding two checkpointed layers adds exactly two [batch, seq, hidden] fp32 tensors:
-    # their inputs. Without recompute each layer keeps far more.
+    # their inputs. Without recompute each layer keeps far more. The traceable form (for
+    # torch.compile) keeps the same in eager.
+    def added(policy):
+        return (_activation_bytes_after_forward(4, policy, traceable=traceable)
+                - _activation_bytes_after_forward(2, policy, traceable=traceable))
+
     layer_input = 2 * 128 * 64 * 4
-    per_two_layers = _activation_bytes_after_forward(4, "full") - _activation_bytes_after_forward(2, "full")
-    assert per_two_layers == 2 * layer_input
-    plain = _activation_bytes_after_forward(4, None) - _activation_bytes_after_forward(2, None)
-    selective = _activation_bytes_after_forward(4, "selective") - _activation_bytes_after_forward(2, "selective")
+    assert added("full") == 2 * layer_input
+    plain = added(None)
+    selective = added("selective")
     assert plain > 10 * layer_input
     # Selective keeps the matmul and attention outputs: between the two.
     assert 2 * layer_input < selective < plain

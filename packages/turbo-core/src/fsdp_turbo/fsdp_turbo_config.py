@@ -269,6 +269,8 @@ class FSDPTurboConfig(_ConfigBase):
     swap_optimizer_force: bool = False
     quantization_plan: QuantizeConfig | None = None
     compile: bool = False
+    compile_plan: tuple[str, ...] | None = None
+    compile_backend: str = "inductor"
     device_type: str | None = None
 
     def __post_init__(self) -> None:
@@ -288,7 +290,9 @@ class FSDPTurboConfig(_ConfigBase):
                 raise ConfigError(name, value, f"use {kind.__name__}(...) or a mapping of its fields")
         self._check_plans_match_sizes()
         self._check_memory_fields()
-        check_bool(self.compile, "compile")
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise ConfigError("compile_backend", self.compile_backend,
+                              "name a torch.compile backend, e.g. 'inductor' or 'aot_eager'")
         if self.device_type is not None:
             _set(self, "device_type", check_choice(self.device_type, "device_type", ("cpu", "cuda", "npu")))
 
@@ -314,7 +318,8 @@ class FSDPTurboConfig(_ConfigBase):
                               "give ep_plan=EPPlanConfig(...) or drop the field")
 
     def _check_memory_fields(self) -> None:
-        for flag, plan in (("recompute", "recompute_plan"), ("swap_activation", "swap_activation_plan")):
+        for flag, plan in (("recompute", "recompute_plan"), ("swap_activation", "swap_activation_plan"),
+                           ("compile", "compile_plan")):
             check_bool(getattr(self, flag), flag)
             _set(self, plan, check_optional_patterns(getattr(self, plan), plan))
             if getattr(self, plan) is not None and not getattr(self, flag):

@@ -161,9 +161,10 @@ def matched_patterns(model: nn.Module, job: JobConfig, state: ParallelState) -> 
 
         target = resolve_cp_target(model, config.cp_plan)
         out["cp_plan (attention)"] = [target.function_path or f"HF attention '{target.hf_implementation}'"]
-    for flag, field in (("recompute", "recompute_plan"), ("swap_activation", "swap_activation_plan")):
+    for flag, field in (("recompute", "recompute_plan"), ("swap_activation", "swap_activation_plan"),
+                        ("compile", "compile_plan")):
         if getattr(config, flag):
-            from fsdp_turbo.memory.blocks import select_blocks
+            from fsdp_turbo.core.model_inspect import select_blocks
 
             out[field] = list(select_blocks(model, getattr(config, field), field=field))
     if config.chunk_loss:

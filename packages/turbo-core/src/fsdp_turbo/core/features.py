@@ -32,6 +32,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("recompute", "turbo-memory", "recompute", lambda c, s: c.recompute),
     Feature("chunk_loss", "turbo-memory", "chunk_loss", lambda c, s: c.chunk_loss),
     Feature("swap_activation", "turbo-memory", "swap_activation", lambda c, s: c.swap_activation),
+    Feature("compile", "turbo-core", "compile", lambda c, s: c.compile),
     Feature("fully_shard", "turbo-distributed", "fully_shard_parallel_size", lambda c, s: s.dp > 1),
     Feature("swap_optimizer", "turbo-memory", "swap_optimizer", lambda c, s: c.swap_optimizer),
 )

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
+
+from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.patterns import match_modules
 
 
 def repeated_blocks(model: nn.Module) -> dict[str, nn.Module]:
@@ -57,3 +61,16 @@ def output_head(model: nn.Module) -> tuple[str, nn.Module] | None:
         return None
     name = next((n for n, m in model.named_modules() if m is head and n), None)
     return (name, head) if name is not None else None
+
+
+def select_blocks(model: nn.Module, patterns: Sequence[str] | None, *, field: str) -> dict[str, nn.Module]:
+    """A plan's outermost matches, else the repeated blocks: the modules a per-block
+    feature (recompute, activation swap, compile) wraps. Raises ``ConfigError``; never
+    communicates."""
+    if patterns is not None:
+        return match_modules(model, patterns, field=field, outermost=True)
+    blocks = repeated_blocks(model)
+    if not blocks:
+        raise ConfigError(field, None, f"give {field}=['model.layers.*'] (or your block pattern)",
+                          reason="the model has no recognisable repeated blocks to default to")
+    return blocks

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import checkpoint as checkpoint_function
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.memory.recompute.policy import context_fn_for
@@ -41,13 +42,31 @@ def is_recomputed(module: nn.Module) -> bool:
     return state is not None and bool(getattr(state, "enable_hook", False))
 
 
-def apply_recompute(modules: Iterable[nn.Module], policy: str | Sequence[str] = "full") -> list[nn.Module]:
+def _checkpoint_forward(module: nn.Module, context_fn: Callable[[], tuple] | None) -> None:
+    forward = module.forward
+    # Dynamo traces checkpoint's context_fn only when it builds selective contexts; the
+    # plain (full) checkpoint must not name one.
+    options = {"context_fn": context_fn} if context_fn else {}
+
+    def checkpointed_forward(*args, **kwargs):
+        return checkpoint_function(forward, *args, use_reentrant=False, **options, **kwargs)
+
+    module.forward = checkpointed_forward
+
+
+def apply_recompute(modules: Iterable[nn.Module], policy: str | Sequence[str] = "full", *,
+                    traceable: bool = False) -> list[nn.Module]:
     """Checkpoint each module in place: its activations are recomputed in backward.
 
     torch's composable ``checkpoint`` works through forward hooks, so parameter names,
     ``state_dict`` keys and any later ``fully_shard`` on the same module are unchanged;
     FSDP's all-gather hook runs before checkpoint's, so it stays outside the recomputed
     region. ``policy``: ``'full'``, ``'selective'`` or a list of op names to save.
+
+    ``traceable=True`` (for ``torch.compile``) instead wraps ``forward`` in
+    ``torch.utils.checkpoint``, which dynamo traces into the compiled graph: a selective
+    policy then applies to the compiled ops. Around a compiled forward, the eager hooks'
+    selective cache would hold buffers that inductor reuses in place.
     """
     context_fn = context_fn_for(policy)
     modules = list(modules)
@@ -57,6 +76,9 @@ def apply_recompute(modules: Iterable[nn.Module], policy: str | Sequence[str] = 
                               reason="the module is already checkpointed")
     for module in modules:
         module.register_forward_pre_hook(_drop_kv_cache, with_kwargs=True)
-        checkpoint(module, context_fn=context_fn) if context_fn else checkpoint(module)
+        if traceable:
+            _checkpoint_forward(module, context_fn)
+        else:
+            checkpoint(module, context_fn=context_fn) if context_fn else checkpoint(module)
         setattr(module, RECOMPUTE_MARK, True)
     return modules

@@ -5,10 +5,10 @@ from __future__ import annotations
 from torch import nn
 
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.model_inspect import select_blocks
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Stage, Transform
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
-from fsdp_turbo.memory.blocks import select_blocks
 from fsdp_turbo.memory.recompute.apply import apply_recompute
 from fsdp_turbo.memory.recompute.policy import context_fn_for
 
@@ -28,7 +28,8 @@ class RecomputeTransform(Transform):
 
     def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:
         blocks = select_blocks(model, config.recompute_plan, field="recompute_plan")
-        apply_recompute(blocks.values(), config.recompute_policy)
+        # Under compile, checkpoint inside the compiled forward (see apply_recompute).
+        apply_recompute(blocks.values(), config.recompute_policy, traceable=config.compile)
         policy = config.recompute_policy if isinstance(config.recompute_policy, str) else "selective (custom ops)"
         _log.info(f"recompute ({policy}) on {len(blocks)} modules")
         return model

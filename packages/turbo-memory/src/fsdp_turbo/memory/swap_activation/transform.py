@@ -6,10 +6,10 @@ from torch import nn
 
 from fsdp_turbo.core.device import has_streams
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.model_inspect import select_blocks
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Stage, Transform
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
-from fsdp_turbo.memory.blocks import select_blocks
 from fsdp_turbo.memory.recompute.apply import is_recomputed
 from fsdp_turbo.memory.swap_activation.swapper import ActivationSwapper
 

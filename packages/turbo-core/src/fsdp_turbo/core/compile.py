@@ -1,0 +1,73 @@
+"""Per-block ``torch.compile`` (``compile=True``): each repeated block's ``forward`` is
+compiled on its own, as torchtitan does, so one compiled graph serves every layer and a
+graph break stays inside one block.
+
+Only ``forward`` is compiled, not the module call: the hooks the other transforms put on
+the block (FSDP2's all-gather and reshard, recompute's checkpoint, activation swap's
+saved-tensor hooks, TP's input and output redistribution on the block itself) run eagerly
+around it, exactly as without compile, and the module, its names and its ``state_dict``
+keys stay as they were. Compile runs after every transform that rewrites the block's
+modules and before FSDP, whose hooks then wrap the compiled forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.model_inspect import select_blocks
+from fsdp_turbo.core.parallel_state import ParallelState
+from fsdp_turbo.core.plugin import Stage, Transform
+from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
+
+_log = get_logger(__name__)
+
+
+def check_backend(backend: str) -> None:
+    """Raise ``ConfigError`` when ``torch.compile`` does not know ``backend``."""
+    from torch._dynamo import list_backends
+
+    known = set(list_backends(exclude_tags=())) | {"inductor"}
+    if backend not in known:
+        raise ConfigError("compile_backend", backend, f"use one of {sorted(known)}",
+                          reason="torch.compile has no such backend")
+
+
+def is_compiled(module: nn.Module) -> bool:
+    return getattr(module, "_fsdp_turbo_compiled", False)
+
+
+def compile_block(module: nn.Module, backend: str = "inductor") -> nn.Module:
+    """Compile ``module.forward`` in place (hooks stay eager); returns ``module``."""
+    if is_compiled(module):
+        raise ConfigError("compile_plan", type(module).__name__, "compile each block once",
+                          reason="the module's forward is already compiled")
+    module.forward = torch.compile(module.forward, backend=backend)
+    module._fsdp_turbo_compiled = True
+    return module
+
+
+class CompileTransform(Transform):
+    """``torch.compile`` on each block the plan picks (default: the repeated blocks)."""
+
+    name = "compile"
+    stage = Stage.COMPILE
+
+    def is_enabled(self, config: FSDPTurboConfig, parallel_state: ParallelState) -> bool:
+        return config.compile
+
+    def validate(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> None:
+        check_backend(config.compile_backend)
+        for name, block in select_blocks(model, config.compile_plan, field="compile_plan").items():
+            if is_compiled(block):
+                raise ConfigError("compile_plan", name, "compile each block once",
+                                  reason="the module's forward is already compiled")
+
+    def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:
+        blocks = select_blocks(model, config.compile_plan, field="compile_plan")
+        for block in blocks.values():
+            compile_block(block, config.compile_backend)
+        _log.info(f"compile: {len(blocks)} blocks with backend {config.compile_backend!r}")
+        return model
