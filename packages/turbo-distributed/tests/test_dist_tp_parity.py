@@ -19,10 +19,12 @@ MLP_COLWISE = ["*.gate_proj", "*.up_proj"]
 NORMS = ["*layernorm", "model.norm"]
 
 
-def tp_plan(*, sp=False, loss_parallel=False, embedding=False):
+def tp_plan(*, sp=False, loss_parallel=False, embedding=False, head=False):
     plan = {"colwise_parallel": QKV + MLP_COLWISE, "rowwise_parallel": ["*.o_proj", "*.down_proj"]}
-    if loss_parallel:
+    if loss_parallel or head:
+        # Without loss parallel a colwise head gathers whole-vocabulary logits.
         plan["colwise_parallel"] = [*plan["colwise_parallel"], "lm_head"]
+    if loss_parallel:
         plan["loss_parallel"] = True
     if embedding:
         plan["rowwise_parallel"] = [*plan["rowwise_parallel"], "model.embed_tokens"]
@@ -62,7 +64,8 @@ CASES = [(tp, sp, lp) for tp in (2, 4) for sp in (False, True) for lp in (False,
 def test_tp_attention_and_mlp(tp, sp, loss_parallel, reference):
     kind = "qwen3" if sp else "llama"
     model_kwargs = {"num_key_value_heads": 4} if tp == 4 else {}
-    config = {"tensor_parallel_size": tp, "tp_plan": tp_plan(sp=sp, loss_parallel=loss_parallel, embedding=tp == 4)}
+    config = {"tensor_parallel_size": tp,
+              "tp_plan": tp_plan(sp=sp, loss_parallel=loss_parallel, embedding=tp == 4, head=tp == 4)}
     results = run_distributed(facade_run, tp, kind, BATCHES, config, model_kwargs, inspect=True, timeout=300)
     for record, _ in results:
         assert_parity(reference(kind, model_kwargs), record, **TOLERANCES)

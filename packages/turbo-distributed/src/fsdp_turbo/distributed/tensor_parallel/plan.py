@@ -125,11 +125,12 @@ def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int, exclude: Coll
     }
 
     resolved.loss_head = _loss_head(model, plan, colwise)
+    head_name = _output_head(model)
     for name in hook_parents:
         resolved.add(name, PrepareHiddenStates(sequence_parallel=sp), "prepare_input")
     for name, module in colwise.items():
         style = _colwise_style(module, own_input=_parent(name) not in hook_parents, sp=sp,
-                               loss_parallel=name == resolved.loss_head)
+                               loss_parallel=name == resolved.loss_head, output_head=name == head_name)
         resolved.add(name, style, "colwise")
     for name, module in rowwise.items():
         if isinstance(module, nn.Embedding):
@@ -160,12 +161,16 @@ def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int, exclude: Coll
     return resolved
 
 
-def _colwise_style(module: nn.Module, *, own_input: bool, sp: bool, loss_parallel: bool) -> ParallelStyle:
+def _colwise_style(module: nn.Module, *, own_input: bool, sp: bool, loss_parallel: bool,
+                   output_head: bool) -> ParallelStyle:
     if isinstance(module, nn.Embedding):
         return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     input_layout = Shard(SEQUENCE_DIM) if (sp and own_input) else Replicate()
     if loss_parallel:
         return ColwiseParallel(input_layouts=input_layout, output_layouts=Shard(-1), use_local_output=False)
+    if output_head:
+        # The model's loss and its users read whole-vocabulary logits: gather them.
+        return ColwiseParallel(input_layouts=input_layout, output_layouts=Replicate())
     return ColwiseParallel(input_layouts=input_layout)
 
 
