@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
+from report import result
 from torch.profiler import ProfilerActivity, profile
 
 from fsdp_turbo.memory.chunk_loss import chunked_cross_entropy
@@ -102,6 +103,11 @@ def main() -> None:
         t = statistics.median(times[name])
         print(f"{name:40s} {losses[name]:10.5f} {memory[name] / 2**20:10.1f} {memory[name] / base_mem:10.3f} "
               f"{t:8.2f} {t / base_time:10.3f}")
+        if name == base_name:
+            continue
+        shape = f"T={args.tokens} H={args.hidden} V={args.vocab}, chunk {args.chunk}"
+        result(f"chunked loss peak memory, {name} vs naive", memory[name] / base_mem, "<= 0.05", shape)
+        result(f"chunked loss time, {name} vs naive", t / base_time, "<= 1.0", shape)
 
 
 if __name__ == "__main__":

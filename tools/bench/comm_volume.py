@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from report import result
 from torch.utils._python_dispatch import TorchDispatchMode
 
 MODEL = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
@@ -122,6 +123,8 @@ def main() -> None:
                   f"ratio {got / theory[group]:.3f}   ({detail})")
         total = sum(measured.values())
         print(f"  total ratio {total / sum(theory.values()):.3f} (goal 1.00)")
+        result(f"collective bytes per step, {label} (4 ranks) vs theory", total / sum(theory.values()), "1.00",
+               f"{total / 1e6:.2f} vs {sum(theory.values()) / 1e6:.2f} MB per rank")
 
 
 if __name__ == "__main__":

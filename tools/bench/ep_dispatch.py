@@ -19,6 +19,7 @@ import statistics
 import time
 
 import torch
+from report import result
 
 EXPERTS, TOP_K, HIDDEN, INTER, WORLD = 64, 8, 1024, 256, 4
 
@@ -103,6 +104,10 @@ def main() -> None:
         print(f"  {dispatcher:6s} {rate:10.0f} tokens/s")
     print(f"fused / eager: {tokens_per_s['fused'] / tokens_per_s['eager']:.2f}x (goal >= 3x)")
     print(f"mc2 / fused:   {tokens_per_s['mc2'] / tokens_per_s['fused']:.2f}x")
+    shape = f"{EXPERTS} experts top-{TOP_K}, hidden {HIDDEN}, EP={WORLD}, {args.tokens} tokens/rank"
+    result("EP dispatch tokens/s, fused vs eager", tokens_per_s["fused"] / tokens_per_s["eager"], ">= 3", shape)
+    result("EP dispatch tokens/s, mc2 vs fused", tokens_per_s["mc2"] / tokens_per_s["fused"], "-",
+           "overlap needs an async device; gloo on 2 cores serialises it")
     elem = results["fused"][0]["elem"]
     theory = args.tokens * TOP_K * HIDDEN * elem * (WORLD - 1) / WORLD
     for dispatcher in ("fused", "mc2"):
@@ -110,6 +115,8 @@ def main() -> None:
             ratios = [r["sent"][way] / theory for r in results[dispatcher]]
             print(f"{dispatcher} {way} all-to-all bytes / theory per rank: "
                   + " ".join(f"{v:.3f}" for v in ratios) + f" (mean {statistics.mean(ratios):.3f}; goal 1.00)")
+            result(f"EP all-to-all bytes, {dispatcher} {way} vs theory", statistics.mean(ratios), "1.00",
+                   "mean over ranks; the router sets the split")
     print(f"count exchange: {EXPERTS * 8} bytes per rank per exchange (mc2: one exchange for all chunks)")
 
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from report import result
 
 from fsdp_turbo.quantization.mx_formats import quantize_mx
 from fsdp_turbo.quantization.mx_formats.reference import quantize_mx_naive
@@ -68,6 +69,8 @@ def main() -> None:
         t_fast, t_slow = statistics.median(fast), statistics.median(slow)
         print(f"{fmt:6s} {mode:6s} {t_fast * 1e3:10.1f} {nbytes / t_fast / 1e9:6.2f} "
               f"{t_slow * 1e3:10.1f} {nbytes / t_slow / 1e9:6.2f} {t_slow / t_fast:7.1f}x")
+        result(f"MX quantize {fmt} {mode} speed, kernel vs plain torch", t_slow / t_fast, ">= 2",
+               f"{args.rows}x{args.cols} bf16, {nbytes / t_fast / 1e9:.2f} GB/s on CPU")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+from report import result
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
@@ -84,6 +85,12 @@ def main() -> None:
         t = statistics.median(times[policy])
         print(f"{policy:10s} {act / 2**20:18.1f} {act / base_act:6.3f} {peak / 2**20:21.1f} {peak / base_peak:6.3f} "
               f"{t:7.2f} {t / base_time:6.3f}")
+        if policy == "none":
+            continue
+        shape = f"llama {args.layers}x{args.hidden}, {args.batch}x{args.seq} tokens"
+        result(f"recompute {policy}: activations after forward vs none", act / base_act, "-", shape)
+        result(f"recompute {policy}: peak memory (params excluded) vs none", peak / base_peak, "-", shape)
+        result(f"recompute {policy}: step time vs none", t / base_time, "-", shape)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from report import result as report
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -98,6 +99,11 @@ def main() -> None:
               f"peak activation memory / no-CP = {result['peak'] / baseline:.3f} "
               f"({result['peak'] / 2**20:.0f} MiB vs {baseline / 2**20:.0f} MiB; goal <= {1 / args.cp:.2f} + "
               "replicated parts)")
+    first = ranks[0]
+    report(f"Ulysses all-to-all bytes per attention layer, CP={args.cp} vs theory",
+           first["sent"] / layers / theory, "1.00", f"sequence {args.seq}, hidden {hidden}")
+    report(f"Ulysses peak activation memory per rank, CP={args.cp} vs no CP", first["peak"] / baseline,
+           f"<= {1 / args.cp:.2f} + replicated", f"{first['peak'] / 2**20:.0f} vs {baseline / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":
