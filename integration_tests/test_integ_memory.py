@@ -22,6 +22,9 @@ pytestmark = pytest.mark.multirank
 FACADE = {
     "recompute": {"recompute": True, "recompute_policy": "selective"},
     "recompute_full": {"recompute": True, "recompute_plan": ["model.layers.*"]},
+    # FSDP casts each layer's inputs in its pre-forward hook: outside the recomputed region.
+    "recompute_mixed_precision": {"recompute": True, "recompute_policy": "selective",
+                                  "fsdp_plan": {"param_dtype": "float32", "reduce_dtype": "float32"}},
     "chunk_loss": {"chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12}},
     "swap_activation": {"swap_activation": True, "swap_activation_force": True},
     "swap_optimizer": {"swap_optimizer": True, "swap_optimizer_force": True},
@@ -29,7 +32,7 @@ FACADE = {
             "swap_activation": True, "swap_activation_plan": ["model.layers.1"], "swap_activation_force": True,
             "swap_optimizer": True, "swap_optimizer_force": True},
 }
-EXACT = {"recompute", "recompute_full", "swap_activation", "swap_optimizer"}
+EXACT = {"recompute", "recompute_full", "recompute_mixed_precision", "swap_activation", "swap_optimizer"}
 
 
 @pytest.fixture(scope="module")

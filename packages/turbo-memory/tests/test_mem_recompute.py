@@ -27,11 +27,10 @@ def _params(model):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("policy", POLICIES, ids=["full", "selective", "ops"])
-@pytest.mark.parametrize("traceable", [False, True], ids=["hooks", "traceable"])
-def test_plain_api_is_bitwise(kind, policy, traceable):
+def test_plain_api_is_bitwise(kind, policy):
     reference = tiny_hf_causal_lm(kind, seed=0)
     model = tiny_hf_causal_lm(kind, seed=0)
-    apply_recompute(model.model.layers, policy, traceable=traceable)
+    apply_recompute(model.model.layers, policy)
     expected, got = train_steps(reference, BATCHES), train_steps(model, BATCHES)
     _assert_bitwise(expected, got)
     after = _params(model)
@@ -57,10 +56,10 @@ def test_default_plan_is_the_repeated_blocks():
     assert [is_recomputed(m) for m in model.model.layers] == [True, True]
 
 
-def _activation_bytes_after_forward(layers: int, policy: str | None, batch=2, seq=128, traceable=False) -> int:
+def _activation_bytes_after_forward(layers: int, policy: str | None, batch=2, seq=128) -> int:
     model = tiny_hf_causal_lm("llama", seed=0, num_hidden_layers=layers)
     if policy:
-        apply_recompute(model.model.layers, policy, traceable=traceable)
+        apply_recompute(model.model.layers, policy)
     ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(0))
     tracker = MemTracker()
     tracker.track_external(model)
@@ -72,14 +71,11 @@ def _activation_bytes_after_forward(layers: int, policy: str | None, batch=2, se
     return acts
 
 
-@pytest.mark.parametrize("traceable", [False, True], ids=["hooks", "traceable"])
-def test_full_recompute_keeps_only_the_layer_inputs(traceable):
+def test_full_recompute_keeps_only_the_layer_inputs():
     # Adding two checkpointed layers adds exactly two [batch, seq, hidden] fp32 tensors:
-    # their inputs. Without recompute each layer keeps far more. The traceable form (for
-    # torch.compile) keeps the same in eager.
+    # their inputs. Without recompute each layer keeps far more.
     def added(policy):
-        return (_activation_bytes_after_forward(4, policy, traceable=traceable)
-                - _activation_bytes_after_forward(2, policy, traceable=traceable))
+        return _activation_bytes_after_forward(4, policy) - _activation_bytes_after_forward(2, policy)
 
     layer_input = 2 * 128 * 64 * 4
     assert added("full") == 2 * layer_input

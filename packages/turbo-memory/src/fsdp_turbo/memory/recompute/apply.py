@@ -54,19 +54,20 @@ def _checkpoint_forward(module: nn.Module, context_fn: Callable[[], tuple] | Non
     module.forward = checkpointed_forward
 
 
-def apply_recompute(modules: Iterable[nn.Module], policy: str | Sequence[str] = "full", *,
-                    traceable: bool = False) -> list[nn.Module]:
+def apply_recompute(modules: Iterable[nn.Module], policy: str | Sequence[str] = "full") -> list[nn.Module]:
     """Checkpoint each module in place: its activations are recomputed in backward.
 
-    torch's composable ``checkpoint`` works through forward hooks, so parameter names,
-    ``state_dict`` keys and any later ``fully_shard`` on the same module are unchanged;
-    FSDP's all-gather hook runs before checkpoint's, so it stays outside the recomputed
-    region. ``policy``: ``'full'``, ``'selective'`` or a list of op names to save.
+    Each module's ``forward`` is wrapped in non-reentrant ``torch.utils.checkpoint``; the
+    module call and its hooks are not. So parameter names, ``state_dict`` keys and any
+    later ``fully_shard`` on the same module are unchanged, and FSDP's hooks (all-gather,
+    input casting) run outside the recomputed region, in forward and in the recompute
+    alike. ``policy``: ``'full'``, ``'selective'`` or a list of op names to save.
 
-    ``traceable=True`` (for ``torch.compile``) instead wraps ``forward`` in
-    ``torch.utils.checkpoint``, which dynamo traces into the compiled graph: a selective
-    policy then applies to the compiled ops. Around a compiled forward, the eager hooks'
-    selective cache would hold buffers that inductor reuses in place.
+    Why not torch's composable ``checkpoint`` (forward hooks): its recompute calls the
+    module again, hooks included, so a selective policy met FSDP's mixed-precision
+    input cast in the recompute but not in forward and refused to run. And dynamo traces
+    ``torch.utils.checkpoint`` into a compiled forward (``compile=True``), so a selective
+    policy applies to the compiled ops.
     """
     context_fn = context_fn_for(policy)
     modules = list(modules)
@@ -76,9 +77,6 @@ def apply_recompute(modules: Iterable[nn.Module], policy: str | Sequence[str] = 
                               reason="the module is already checkpointed")
     for module in modules:
         module.register_forward_pre_hook(_drop_kv_cache, with_kwargs=True)
-        if traceable:
-            _checkpoint_forward(module, context_fn)
-        else:
-            checkpoint(module, context_fn=context_fn) if context_fn else checkpoint(module)
+        _checkpoint_forward(module, context_fn)
         setattr(module, RECOMPUTE_MARK, True)
     return modules

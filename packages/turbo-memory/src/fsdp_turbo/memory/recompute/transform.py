@@ -28,8 +28,7 @@ class RecomputeTransform(Transform):
 
     def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:
         blocks = select_blocks(model, config.recompute_plan, field="recompute_plan")
-        # Under compile, checkpoint inside the compiled forward (see apply_recompute).
-        apply_recompute(blocks.values(), config.recompute_policy, traceable=config.compile)
+        apply_recompute(blocks.values(), config.recompute_policy)
         policy = config.recompute_policy if isinstance(config.recompute_policy, str) else "selective (custom ops)"
         _log.info(f"recompute ({policy}) on {len(blocks)} modules")
         return model
