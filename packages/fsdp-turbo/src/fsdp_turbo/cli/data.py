@@ -5,6 +5,10 @@ padding). A seeded permutation fixes the global order of windows for each epoch;
 takes the next ``micro_batch x dp_size`` windows of that order, and data shard ``dp_rank``
 takes its ``micro_batch`` of them. The loader's whole state is the number of windows
 consumed, so it resumes exactly, and also under another world size or layout.
+
+Why not ``torch.utils.data.DataLoader`` (or torchdata's ``StatefulDataLoader``): with the
+order fixed by one integer there is nothing to prefetch or shard that a list slice does
+not already do, and a worker pool's state would be harder to save than that integer.
 """
 
 from __future__ import annotations

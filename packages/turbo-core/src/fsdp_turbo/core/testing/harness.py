@@ -1,4 +1,10 @@
-"""Spawn N ranks on gloo, gather their results, and never hang."""
+"""Spawn N ranks on gloo, gather their results, and never hang.
+
+Why not ``torch.multiprocessing.spawn`` or torch's ``MultiProcessTestCase``: the first
+returns nothing and waits forever on a rank stuck in a collective, the second is a private
+test API tied to unittest. Tests here need each rank's return value, the earliest failing
+rank's own traceback, and one deadline that kills every rank.
+"""
 
 from __future__ import annotations
 

@@ -43,7 +43,10 @@ def _replicate_own_parameters(target: nn.Module):
 
 
 class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the group (each rank saw other tokens)."""
+    """Identity forward; backward sums the gradient over the group (each rank saw other tokens).
+
+    Not ``to_local(grad_placements=[Partial()])``: that leaves a ``Partial`` gradient on a
+    ``Replicate`` parameter, and FSDP2 reduce-scatters its local tensor as if it were whole."""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:

@@ -4,6 +4,10 @@ Forward: module i's saved tensors go into a group; when module i+1 starts, group
 is copied out asynchronously (its device copies are dropped when module i+1 ends),
 so the last module of a forward stays on device.
 Backward: the first unpack of group i starts the copy-in of group i-1.
+
+Why not torch's ``torch.autograd.graph.save_on_cpu``: it copies every saved tensor out
+synchronously as it is saved (parameters and FSDP's all-gathered weights included) and
+back only when backward reaches it, with no prefetch and no per-module choice.
 """
 
 from __future__ import annotations
