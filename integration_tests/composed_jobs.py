@@ -170,9 +170,9 @@ def mx_ep_run(dispatcher: str):
 MATRIX_BATCHES = make_token_batches(vocab_size=256, global_batch=8, seq_len=16, steps=4, seed=0)
 
 
-def matrix_reference_run(kind: str, quantize: dict | None = None):
+def matrix_reference_run(kind: str, quantize: dict | None = None, model_kwargs: dict | None = None):
     """The single-process reference; with ``quantize``, the emulated-MX model."""
-    model = tiny_hf_causal_lm(kind)
+    model = tiny_hf_causal_lm(kind, **(model_kwargs or {}))
     if quantize is not None:
         from fsdp_turbo.fsdp_turbo_config import QuantizeConfig
         from fsdp_turbo.quantization.converter import convert_model
@@ -181,14 +181,32 @@ def matrix_reference_run(kind: str, quantize: dict | None = None):
     return train_steps(model, MATRIX_BATCHES, loss_fn=labelled_loss)
 
 
-def matrix_run(kind: str, config: dict) -> TrainRecord:
-    """One layout of the composition matrix, through the facade, on the data-parallel shards."""
+def matrix_run(kind: str, config: dict, model_kwargs: dict | None = None) -> tuple[TrainRecord, dict]:
+    """One layout of the composition matrix, through the facade, on the data-parallel shards;
+    also what the memory features did (activations swapped out, optimizer states swapped in)."""
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
-    model = FSDPTurbo(config, tiny_hf_causal_lm(kind))
+    model = FSDPTurbo(config, tiny_hf_causal_lm(kind, **(model_kwargs or {})))
     state = model.parallel_state
     local = [shard_rows(b, state.dp_rank, state.dp_size) for b in MATRIX_BATCHES]
-    return train_steps(model, local, loss_fn=labelled_loss)
+    optimizers = []
+
+    def build(params):
+        optimizers.append(torch.optim.AdamW(params, lr=1e-2, foreach=False))
+        return optimizers[-1]
+
+    record = train_steps(model, local, loss_fn=labelled_loss, optimizer_factory=build)
+    return record, _memory_facts(model, optimizers[0])
+
+
+def _memory_facts(model, optimizer) -> dict[str, int]:
+    """Activations swapped out, and optimizer-state groups swapped in (0 when off)."""
+    from fsdp_turbo.memory.swap_activation.transform import SWAPPER_ATTR
+
+    swapper = getattr(model, SWAPPER_ATTR, None)
+    optimizer_swapper = getattr(optimizer.state, "_swapper", None)
+    return {"activations_swapped_out": swapper.stats.tensors_out if swapper else 0,
+            "optimizer_swap_ins": sum(optimizer_swapper.stats.swap_ins.values()) if optimizer_swapper else 0}
 
 
 

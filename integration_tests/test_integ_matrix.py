@@ -22,10 +22,13 @@ TP_PLAN = {"colwise_parallel": [*QKV, "*.gate_proj", "*.up_proj"], "rowwise_para
 MOE_TP = {"tensor_parallel_size": 2,
           "tp_plan": {"colwise_parallel": [*QKV, "lm_head"], "rowwise_parallel": ["*.o_proj"],
                       "sequence_parallel": ["*layernorm", "model.norm"], "loss_parallel": True}}
+# Three layers: the first recomputed, the other two swapped (a swapped layer's activations
+# leave when the next swapped layer starts, so the last one stays resident).
 MEMORY = {"recompute": True, "recompute_plan": ["model.layers.0"], "recompute_policy": "selective",
           "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12},
-          "swap_activation": True, "swap_activation_plan": ["model.layers.1"], "swap_activation_force": True,
+          "swap_activation": True, "swap_activation_plan": ["model.layers.{1-2}"], "swap_activation_force": True,
           "swap_optimizer": True, "swap_optimizer_force": True}
+THREE_LAYERS = {"num_hidden_layers": 3}
 LAYOUTS = {
     # 8 ranks: 2 replicas x 2 shards x TP 2, with sequence parallel and the loss-parallel head.
     "dp2 x fsdp2 x tp2": ("llama", 8, {**FSDP_TP, "data_parallel_size": 2}),
@@ -43,30 +46,40 @@ LAYOUTS = {
                                           "expert_parallel_size": 4, "ep_plan": {"dispatcher": "mc2"}}),
     # 4 ranks: every memory feature at once (the swaps forced on CPU).
     "fsdp2 x tp2 x ep2 + memory": ("qwen3_moe", 4, {**MOE_TP, "fully_shard_parallel_size": 2,
-                                                    "expert_parallel_size": 2, "ep_plan": {}, **MEMORY}),
+                                                    "expert_parallel_size": 2, "ep_plan": {}, **MEMORY},
+                                   THREE_LAYERS),
 }
 # k/v_proj have 32 out features, 16 per TP rank: not whole blocks of 32, so left out in both runs.
 MX_PLAN = {"quant_format": "E4M3", "block_size": 32, "ignored_modules": ["*.k_proj", "*.v_proj"]}
 _references = {}
 
 
-def _reference(kind, quantize=None):
-    key = (kind, quantize is not None)
+def _reference(kind, quantize=None, model_kwargs=None):
+    key = (kind, quantize is not None, tuple(sorted((model_kwargs or {}).items())))
     if key not in _references:
-        _references[key] = run_reference(matrix_reference_run, kind, quantize, timeout=300)
+        _references[key] = run_reference(matrix_reference_run, kind, quantize, model_kwargs, timeout=300)
     return _references[key]
+
+
+def _assert_memory_features_ran(config, facts):
+    if config.get("swap_activation"):
+        assert facts["activations_swapped_out"] > 0
+    if config.get("swap_optimizer"):
+        assert facts["optimizer_swap_ins"] > 0
 
 
 EIGHT_RANKS = [pytest.mark.eight_ranks, pytest.mark.timeout(180)]
 
 
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=EIGHT_RANKS if world == 8 else [])
-                                    for name, (_, world, _) in LAYOUTS.items()])
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=EIGHT_RANKS if row[1] == 8 else [])
+                                    for name, row in LAYOUTS.items()])
 def test_composition_matrix(layout):
-    kind, world, config = LAYOUTS[layout]
-    reference = _reference(kind)
-    for record in run_distributed(matrix_run, world, kind, config, timeout=600):
+    kind, world, config, *model_kwargs = LAYOUTS[layout]
+    model_kwargs = model_kwargs[0] if model_kwargs else None
+    reference = _reference(kind, None, model_kwargs)
+    for record, facts in run_distributed(matrix_run, world, kind, config, model_kwargs, timeout=600):
         assert_parity(reference, record, loss_rtol=1e-5, grad_rtol=1e-4, grad_atol=1e-6)
+        _assert_memory_features_ran(config, facts)
 
 
 def test_composition_matrix_mxfp8():
@@ -76,14 +89,18 @@ def test_composition_matrix_mxfp8():
     Forward quantizes along K (per token), so the first loss is exact. Linear wgrads
     quantize along tokens in blocks that the layout keeps whole. Expert wgrads quantize
     each expert's tokens in blocks of 32, and the tokens an expert receives per rank
-    differ from the one-process grouping: a genuine MX difference, not an error. Stated:
-    first loss rtol 1e-5, later losses rtol 5e-4, non-expert gradients rtol 1e-4 /
-    atol 1e-6, expert gradients at least 30 dB SQNR."""
-    reference = _reference("qwen3_moe", MX_PLAN)
+    differ from the one-process grouping: a genuine MX difference, not an error (expert
+    gradients measured at 35.6 dB SQNR or better). AdamW then moves the runs apart: by step 4
+    the loss differs by 1.1e-3 relative, where MXFP8 itself is 2e-3 from the fp32 model.
+    Stated: first loss rtol 1e-5, second rtol 5e-5, all four rtol 2e-3; non-expert
+    gradients rtol 1e-4 / atol 1e-6, expert gradients at least 30 dB SQNR."""
+    reference = _reference("qwen3_moe", MX_PLAN, THREE_LAYERS)
     config = {**LAYOUTS["fsdp2 x tp2 x ep2 + memory"][2], "quantization_plan": MX_PLAN}
-    for record in run_distributed(matrix_run, 4, "qwen3_moe", config, timeout=600):
+    for record, facts in run_distributed(matrix_run, 4, "qwen3_moe", config, THREE_LAYERS, timeout=600):
+        _assert_memory_features_ran(config, facts)
         torch.testing.assert_close(record.losses[0], reference.losses[0], rtol=1e-5, atol=0)
-        torch.testing.assert_close(torch.tensor(record.losses), torch.tensor(reference.losses), rtol=5e-4, atol=0)
+        torch.testing.assert_close(record.losses[1], reference.losses[1], rtol=5e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(record.losses), torch.tensor(reference.losses), rtol=2e-3, atol=0)
         assert record.grads.keys() == reference.grads.keys()
         for name, grad in record.grads.items():
             if ".experts." in name:
