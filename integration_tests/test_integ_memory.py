@@ -28,8 +28,10 @@ FACADE = {
     "chunk_loss": {"chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12}},
     "swap_activation": {"swap_activation": True, "swap_activation_force": True},
     "swap_optimizer": {"swap_optimizer": True, "swap_optimizer_force": True},
-    "all": {"recompute": True, "recompute_plan": ["model.layers.0"], "chunk_loss": True,
-            "swap_activation": True, "swap_activation_plan": ["model.layers.1"], "swap_activation_force": True,
+    # Recompute inside each layer (its MLP), swap the layers themselves: with two layers the
+    # first one's activations leave when the second starts (the last stays resident).
+    "all": {"recompute": True, "recompute_plan": ["model.layers.*.mlp"], "chunk_loss": True,
+            "swap_activation": True, "swap_activation_plan": ["model.layers.*"], "swap_activation_force": True,
             "swap_optimizer": True, "swap_optimizer_force": True},
 }
 EXACT = {"recompute", "recompute_full", "recompute_mixed_precision", "swap_activation", "swap_optimizer"}
