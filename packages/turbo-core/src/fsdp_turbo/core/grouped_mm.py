@@ -30,6 +30,9 @@ def _loop_grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) ->
     return torch.stack([a[:, start:end] @ b[start:end] for start, end in bounds])
 
 
+# Eager under torch.compile: the group bounds are data (their sizes decide the work), and
+# torch 2.13's fake kernel for _grouped_mm rejects float32, which its CPU kernel accepts.
+@torch.compiler.disable
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``a [M, K] @ b [E, K, N] -> [M, N]`` with row group ``e`` of ``a`` times ``b[e]``; or the
     weight-gradient form ``a [K, M] @ b [M, N] -> [E, K, N]`` with groups along ``M``.
@@ -64,6 +67,7 @@ def grouped_linear_portable(x: torch.Tensor, weight: torch.Tensor, offsets: torc
     return _GroupedLinear.apply(x, weight, offsets)
 
 
+@torch.compiler.disable
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``x [M, K]`` in groups ending at ``offsets``, ``weight [E, N, K]`` -> ``[M, N]``:
     ``F.linear`` per group, differentiable in ``x`` and ``weight``."""

@@ -16,6 +16,9 @@ class ExpertParallel(nn.Module):
     ep_experts: ExpertGroup
     ep_dispatcher: Dispatcher
 
+    # Eager under torch.compile (one graph break per MoE layer): the all-to-all splits are
+    # host integers read from the routing, and the expert weights are DTensors on the EP mesh.
+    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         return self.ep_dispatcher(self, self.ep_experts, hidden_states, top_k_index, top_k_weights)

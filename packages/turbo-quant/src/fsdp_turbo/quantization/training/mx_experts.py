@@ -71,6 +71,9 @@ class MXFusedExperts(nn.Module):
 
     mx_recipe: MXRecipe
 
+    # Eager under torch.compile (one graph break per MoE layer): each expert's padded group
+    # size is data, so a traced version would recompile for every routing.
+    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         num_experts = self.gate_up_proj.shape[0]
