@@ -209,21 +209,12 @@ def _memory_facts(model, optimizer) -> dict[str, int]:
             "optimizer_swap_ins": sum(optimizer_swapper.stats.swap_ins.values()) if optimizer_swapper else 0}
 
 
-
 def compile_pair_run(kind: str, config: dict, model_kwargs: dict) -> tuple[TrainRecord, TrainRecord, dict]:
-    """The same layout trained twice on this rank, without and with per-block compile;
-    also dynamo's graph-break and graph counts and the activations swapped out, compiled."""
+    """The same layout trained twice on this rank, without and with per-block compile; the
+    compiled run's memory facts plus dynamo's graph-break and graph counts."""
     from torch._dynamo.utils import counters
 
-    from fsdp_turbo.fsdp_turbo import FSDPTurbo
-    from fsdp_turbo.memory.swap_activation.transform import SWAPPER_ATTR
-
-    records = []
-    for compile_blocks in (False, True):
-        model = FSDPTurbo({**config, "compile": compile_blocks}, tiny_hf_causal_lm(kind, **model_kwargs))
-        state = model.parallel_state
-        local = [shard_rows(b, state.dp_rank, state.dp_size) for b in MATRIX_BATCHES]
-        records.append(train_steps(model, local, loss_fn=labelled_loss))
-    facts = {"graph_breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"],
-             "swapped_out": getattr(model, SWAPPER_ATTR).stats.tensors_out if hasattr(model, SWAPPER_ATTR) else 0}
-    return *records, facts
+    eager, _ = matrix_run(kind, {**config, "compile": False}, model_kwargs)
+    compiled, facts = matrix_run(kind, {**config, "compile": True}, model_kwargs)
+    return eager, compiled, {**facts, "graph_breaks": sum(counters["graph_break"].values()),
+                             "graphs": counters["stats"]["unique_graphs"]}

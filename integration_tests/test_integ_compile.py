@@ -35,7 +35,7 @@ def test_compiled_blocks_match_eager(mxfp8):
     for eager, compiled, facts in results:
         assert facts["graph_breaks"] == 0
         assert 1 <= facts["graphs"] <= 3
-        assert facts["swapped_out"] > 0
+        assert facts["activations_swapped_out"] > 0
         if not mxfp8:
             assert_parity(eager, compiled, loss_rtol=1e-5, grad_rtol=1e-4, grad_atol=1e-6)
             continue

@@ -6,8 +6,6 @@ alone, without turbo-distributed.
 
 from __future__ import annotations
 
-import torch
-
 from fsdp_turbo.core.testing import make_token_batches, shard_rows, train_steps
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 from fsdp_turbo.fsdp_turbo_config import QuantizeConfig
@@ -44,7 +42,3 @@ def fsdp_tp_run(dp: int, tp: int):
     assert isinstance(model.model.layers[0].mlp.down_proj, MXLinear)
     rank = dist.get_rank() // tp
     return train_steps(model, [shard_rows(b, rank, dp) for b in BATCHES])
-
-
-def sqnr_db(reference: torch.Tensor, value: torch.Tensor) -> float:
-    return float(10 * torch.log10(reference.pow(2).sum() / (reference - value).pow(2).sum().clamp_min(1e-30)))

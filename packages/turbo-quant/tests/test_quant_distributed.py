@@ -10,9 +10,10 @@ catch a real error if that ever forced the tolerance open.
 """
 
 import pytest
-from quant_jobs import fsdp_tp_run, reference_run, sqnr_db
+from quant_jobs import fsdp_tp_run, reference_run
 
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
+from fsdp_turbo.core.testing.parity import sqnr_db
 
 pytestmark = pytest.mark.multirank
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+from fsdp_turbo.core.testing.parity import sqnr_db
 from fsdp_turbo.quantization.training import MXRecipe
 from fsdp_turbo.quantization.training import mx_grouped_function as grouped
 from fsdp_turbo.quantization.training.mx_experts import to_mx_experts
@@ -77,7 +78,7 @@ def test_close_to_unquantized_experts(recipe):
     quantized = experts(hidden, index, weights)
     # Two MX GEMMs in series (gate_up, then down): measured E4M3 23.0 dB, HIF8 24.3 dB.
     plain, quantized = plain.detach(), quantized.detach()
-    sqnr = float(10 * torch.log10(plain.pow(2).sum() / (plain - quantized).pow(2).sum()))
+    sqnr = sqnr_db(plain.detach(), quantized.detach())
     assert sqnr >= 20, sqnr
 
 

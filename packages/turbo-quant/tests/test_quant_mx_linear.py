@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch import nn
 
+from fsdp_turbo.core.testing.parity import sqnr_db
 from fsdp_turbo.quantization.mx_formats import dequantize_mx, quantize_mx
 from fsdp_turbo.quantization.training import MXLinear, MXRecipe, to_mx_linear
 
@@ -54,10 +55,6 @@ def test_mx_linear_matches_the_emulated_reference_exactly(recipe):
     torch.testing.assert_close(layer.bias.grad, ref_db)
 
 
-def _sqnr(reference: torch.Tensor, value: torch.Tensor) -> float:
-    reference, value = reference.detach().float(), value.detach().float()
-    return float(10 * torch.log10(reference.pow(2).sum() / (reference - value).pow(2).sum()))
-
 
 # Stated SQNR floors (dB) of y, dx and dW against a plain bf16 Linear. Measured (y, dx, dW):
 # E4M3 31.0 / 27.3 / 27.7; E5M2 25.9 / 22.5 / 22.5; HIF8 31.8 / 24.5 / 24.5 (its gradients aim
@@ -79,7 +76,7 @@ def test_mx_linear_is_close_to_bf16(recipe):
     ym.backward(grad_out.to(torch.bfloat16))
     floor = SQNR_FLOOR[recipe.quant_format]
     for name, ref, got in (("y", yb, ym), ("dx", xb.grad, xm.grad), ("dw", plain.weight.grad, mx.weight.grad)):
-        assert _sqnr(ref, got) >= floor, (name, _sqnr(ref, got))
+        assert sqnr_db(ref.detach(), got.detach()) >= floor, (name, sqnr_db(ref.detach(), got.detach()))
 
 
 def test_tokens_not_a_multiple_of_the_block_are_padded():

@@ -29,7 +29,7 @@ def check_backend(backend: str) -> None:
     """Raise ``ConfigError`` when ``torch.compile`` does not know ``backend``."""
     from torch._dynamo import list_backends
 
-    known = set(list_backends(exclude_tags=())) | {"inductor"}
+    known = set(list_backends(exclude_tags=()))
     if backend not in known:
         raise ConfigError("compile_backend", backend, f"use one of {sorted(known)}",
                           reason="torch.compile has no such backend")
@@ -39,11 +39,15 @@ def is_compiled(module: nn.Module) -> bool:
     return getattr(module, "_fsdp_turbo_compiled", False)
 
 
+def _check_not_compiled(name: str, module: nn.Module) -> None:
+    if is_compiled(module):
+        raise ConfigError("compile_plan", name, "compile each block once",
+                          reason="the module's forward is already compiled")
+
+
 def compile_block(module: nn.Module, backend: str = "inductor") -> nn.Module:
     """Compile ``module.forward`` in place (hooks stay eager); returns ``module``."""
-    if is_compiled(module):
-        raise ConfigError("compile_plan", type(module).__name__, "compile each block once",
-                          reason="the module's forward is already compiled")
+    _check_not_compiled(type(module).__name__, module)
     module.forward = torch.compile(module.forward, backend=backend)
     module._fsdp_turbo_compiled = True
     return module
@@ -61,9 +65,7 @@ class CompileTransform(Transform):
     def validate(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> None:
         check_backend(config.compile_backend)
         for name, block in select_blocks(model, config.compile_plan, field="compile_plan").items():
-            if is_compiled(block):
-                raise ConfigError("compile_plan", name, "compile each block once",
-                                  reason="the module's forward is already compiled")
+            _check_not_compiled(name, block)
 
     def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:
         blocks = select_blocks(model, config.compile_plan, field="compile_plan")

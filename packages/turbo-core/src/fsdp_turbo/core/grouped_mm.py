@@ -67,7 +67,6 @@ def grouped_linear_portable(x: torch.Tensor, weight: torch.Tensor, offsets: torc
     return _GroupedLinear.apply(x, weight, offsets)
 
 
-@torch.compiler.disable
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``x [M, K]`` in groups ending at ``offsets``, ``weight [E, N, K]`` -> ``[M, N]``:
     ``F.linear`` per group, differentiable in ``x`` and ``weight``."""
