@@ -58,10 +58,10 @@ class _Named(Transform):
     def is_enabled(self, config, parallel_state):
         return True
 
-    def validate(self, config, model, parallel_state):
+    def plan(self, config, model, parallel_state, upstream):
         return None
 
-    def apply(self, model, config, parallel_state):
+    def apply(self, model, plan, parallel_state):
         return model
 
 

@@ -31,7 +31,7 @@ def test_llama_without_sp_replicates_the_norms():
     assert resolved.kinds["model.norm"] == "replicate"
     assert resolved.kinds["model.layers.0.mlp.gate_proj"] == "replicate"
     assert resolved.kinds["lm_head"] == "replicate"
-    assert resolved.loss_head is None and resolved.tied == []
+    assert resolved.loss_head is None and resolved.tied == ()
 
 
 def test_sp_without_a_sharded_head_gathers_before_it():

@@ -1,9 +1,10 @@
 """The facade: ``model = FSDPTurbo(config, model)``.
 
-It validates everything on every rank before any collective, then applies the
-enabled transforms in pipeline order, in place. The returned module is the
-user's own model (same forward, attributes, parameter names and state_dict
-keys), with ``model.parallel_state`` attached.
+It plans every enabled feature on every rank before any collective (each plan a value,
+made once), then applies the plans in pipeline order, in place. The returned module is
+the user's own model (same forward, attributes, parameter names and state_dict keys),
+with ``model.parallel_state`` and the plans it was given (``model.fsdp_turbo_plans``)
+attached.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import os
 from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, TypeVar
+from types import MappingProxyType
+from typing import Any, NamedTuple, TypeVar
 
 import torch.distributed as dist
 from torch import nn
@@ -23,10 +25,10 @@ from fsdp_turbo.core.features import Feature, requested_features
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.model_inspect import attention_heads
 from fsdp_turbo.core.parallel_state import ParallelSizes, ParallelState
-from fsdp_turbo.core.plugin import Transform, TransformRegistry, registry
+from fsdp_turbo.core.plugin import FeaturePlan, Transform, TransformRegistry, planning_order, registry
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
-__all__ = ["FSDPTurbo", "plan_transforms"]
+__all__ = ["FSDPTurbo", "Planned", "plan_transforms"]
 
 M = TypeVar("M", bound=nn.Module)
 _log = get_logger(__name__)
@@ -75,17 +77,24 @@ def _missing_feature_error(feature: Feature, config: FSDPTurboConfig) -> ConfigE
     return ConfigError(feature.switch, getattr(config, feature.switch), fix, reason=reason)
 
 
+class Planned(NamedTuple):
+    transform: Transform
+    plan: FeaturePlan
+
+
 def plan_transforms(config: FSDPTurboConfig, model: nn.Module, state: ParallelState,
-                    transforms: TransformRegistry = registry) -> list[Transform]:
-    """Validate everything and return the transforms to apply, in order. No collectives."""
+                    transforms: TransformRegistry = registry) -> list[Planned]:
+    """Plan every enabled feature; return the plans in the order to apply them. No collectives."""
     _check_model_shape(model, state.sizes)
-    for feature in requested_features(config, state.sizes):
+    for feature in requested_features(config, state):
         if transforms.get(feature.transform) is None:
             raise _missing_feature_error(feature, config)
     enabled = [t for t in transforms.all() if t.is_enabled(config, state)]
-    for transform in enabled:
-        transform.validate(config, model, state)
-    return enabled
+    plans: dict[str, FeaturePlan] = {}
+    for transform in planning_order(enabled):
+        upstream = MappingProxyType({name: plans.get(name) for name in transform.requires})
+        plans[transform.name] = transform.plan(config, model, state, upstream)
+    return [Planned(transform, plans[transform.name]) for transform in enabled]
 
 
 def _ensure_process_group(state: ParallelState) -> None:
@@ -110,12 +119,13 @@ def FSDPTurbo(config: FSDPTurboConfig | Mapping[str, Any] | str | Path, model: M
     world_size, rank = _world_and_rank()
     sizes = config.validate(world_size)
     state = ParallelState.create(sizes, rank, detect_device_type(config.device_type))
-    transforms = plan_transforms(config, model, state)
+    planned = plan_transforms(config, model, state)
     _ensure_process_group(state)
-    for transform in transforms:
+    for transform, plan in planned:
         _log.info(f"applying {transform.name}")
-        model = transform.apply(model, config, state)
+        model = transform.apply(model, plan, state)
     model.parallel_state = state
     model.fsdp_turbo_config = config
-    _log.info(f"FSDPTurbo ready: {state.describe()}; transforms={[t.name for t in transforms]}")
+    model.fsdp_turbo_plans = MappingProxyType({transform.name: plan for transform, plan in planned})
+    _log.info(f"FSDPTurbo ready: {state.describe()}; transforms={[t.name for t, _ in planned]}")
     return model

@@ -7,19 +7,17 @@ before any collective. Configs load from a dict, a YAML file or a TOML file.
 
 from __future__ import annotations
 
-import dataclasses
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from fsdp_turbo.core.dtypes import dtype_name, parse_dtype
+from fsdp_turbo.core.dtypes import parse_dtype
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.parallel_state import ParallelSizes, resolve_parallel_sizes
 from fsdp_turbo.core.validation import (
+    ConfigSection,
     check_bool,
     check_choice,
     check_float,
@@ -50,47 +48,8 @@ def _set(obj: Any, name: str, value: Any) -> None:
     object.__setattr__(obj, name, value)
 
 
-class _ConfigBase:
-    """Shared dict conversion for the config dataclasses."""
-
-    _nested: ClassVar[dict[str, type]] = {}
-    _prefix: ClassVar[str] = ""
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None, *, prefix: str | None = None):
-        prefix = cls._prefix if prefix is None else prefix
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigError(prefix or cls.__name__, data, "use a mapping of field names to values")
-        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(data) - known)
-        if unknown:
-            where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-            raise ConfigError(where, data[unknown[0]], f"remove it; known fields are {sorted(known)}",
-                              reason="unknown field")
-        kwargs = dict(data)
-        for name, nested in cls._nested.items():
-            if isinstance(kwargs.get(name), dict):
-                kwargs[name] = nested.from_dict(kwargs[name], prefix=name)
-        return cls(**kwargs)
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if isinstance(value, _ConfigBase):
-                value = value.to_dict()
-            elif isinstance(value, torch.dtype):
-                value = dtype_name(value)
-            elif isinstance(value, tuple):
-                value = list(value)
-            out[f.name] = value
-        return out
-
-
 @dataclass(frozen=True)
-class FSDPPlanConfig(_ConfigBase):
+class FSDPPlanConfig(ConfigSection):
     """How FSDP2 (``fully_shard``) wraps the model.
 
     ``apply_modules`` picks the FSDP units (outermost matches); ``None`` means each
@@ -127,7 +86,7 @@ class FSDPPlanConfig(_ConfigBase):
 
 
 @dataclass(frozen=True)
-class TPPlanConfig(_ConfigBase):
+class TPPlanConfig(ConfigSection):
     """Tensor-parallel plan: Linear (and Embedding) modules picked by pattern."""
 
     _prefix: ClassVar[str] = "tp_plan"
@@ -152,7 +111,7 @@ class TPPlanConfig(_ConfigBase):
 
 
 @dataclass(frozen=True)
-class EPPlanConfig(_ConfigBase):
+class EPPlanConfig(ConfigSection):
     """Expert-parallel plan: which modules hold experts, and how tokens reach them."""
 
     _prefix: ClassVar[str] = "ep_plan"
@@ -168,7 +127,7 @@ class EPPlanConfig(_ConfigBase):
 
 
 @dataclass(frozen=True)
-class CPPlanConfig(_ConfigBase):
+class CPPlanConfig(ConfigSection):
     """Ulysses context parallel. ``attention_function`` is a dotted path for non-HF models."""
 
     _prefix: ClassVar[str] = "cp_plan"
@@ -183,7 +142,7 @@ class CPPlanConfig(_ConfigBase):
 
 
 @dataclass(frozen=True)
-class ChunkLossPlanConfig(_ConfigBase):
+class ChunkLossPlanConfig(ConfigSection):
     """Chunked cross-entropy: the full [tokens, vocab] logits are never built."""
 
     _prefix: ClassVar[str] = "chunk_loss_plan"
@@ -206,7 +165,7 @@ class ChunkLossPlanConfig(_ConfigBase):
 
 
 @dataclass(frozen=True)
-class QuantizeConfig(_ConfigBase):
+class QuantizeConfig(ConfigSection):
     """MX block quantization for training, applied by converters picked by pattern."""
 
     _prefix: ClassVar[str] = "quantization_plan"
@@ -232,7 +191,7 @@ class QuantizeConfig(_ConfigBase):
 
 
 @dataclass(frozen=True)
-class FSDPTurboConfig(_ConfigBase):
+class FSDPTurboConfig(ConfigSection):
     """The whole FSDPTurbo configuration, in the seed's flat field names.
 
     ``fully_shard_parallel_size=-1`` takes every rank the other sizes leave.
@@ -345,25 +304,3 @@ class FSDPTurboConfig(_ConfigBase):
             expert_parallel_size=self.expert_parallel_size,
             expert_fully_shard_parallel_size=self.expert_fully_shard_parallel_size,
         )
-
-    # ----- loading ------------------------------------------------------------------------
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> FSDPTurboConfig:
-        import yaml
-
-        with open(path, encoding="utf-8") as handle:
-            return cls.from_dict(yaml.safe_load(handle))
-
-    @classmethod
-    def from_toml(cls, path: str | Path) -> FSDPTurboConfig:
-        with open(path, "rb") as handle:
-            return cls.from_dict(tomllib.load(handle))
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> FSDPTurboConfig:
-        suffix = Path(path).suffix.lower()
-        if suffix in (".yaml", ".yml"):
-            return cls.from_yaml(path)
-        if suffix == ".toml":
-            return cls.from_toml(path)
-        raise ConfigError("path", str(path), "use a .yaml, .yml or .toml file")

@@ -2,44 +2,30 @@
 
 Loaded with safe YAML or TOML only (no object construction); every field is checked when
 the file is read, so a bad job fails the same way on every rank before any process group.
-``turbo`` is the whole ``FSDPTurboConfig`` in its own field names.
+``turbo`` is the whole ``FSDPTurboConfig`` in its own field names. The sections are built
+on the library config's own base (``core.validation.ConfigSection``) and checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-
-import yaml
+from typing import Any, ClassVar
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.validation import ConfigSection, check_float, check_int
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
 
-def _section(cls, data: Any, name: str):
-    if data is None:
-        return cls()
-    if not isinstance(data, dict):
-        raise ConfigError(name, data, f"use a mapping of {cls.__name__} fields")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"{name}.{unknown[0]}", data[unknown[0]], f"remove it; known fields are {sorted(known)}",
-                          reason="unknown field")
-    return cls(**data)
+def _set(obj: Any, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)  # frozen sections normalise their fields once
 
 
-def _positive(value: Any, name: str, *, zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
-        raise ConfigError(name, value, f"use an integer >= {0 if zero else 1}")
-
-
-@dataclass
-class ModelSection:
+@dataclass(frozen=True)
+class ModelSection(ConfigSection):
     """``config``: an HF config dict with ``model_type`` (random init); or ``model_name_or_path``."""
+
+    _prefix: ClassVar[str] = "model"
 
     config: dict[str, Any] | None = None
     model_name_or_path: str | None = None
@@ -52,28 +38,34 @@ class ModelSection:
             raise ConfigError("model.config.model_type", None, "name the HF model type, e.g. 'qwen3_moe'")
 
 
-@dataclass
-class DataSection:
+@dataclass(frozen=True)
+class DataSection(ConfigSection):
     """Local text files (globs; ``stdlib:`` means this Python's standard library folder),
     byte-level tokens packed into ``seq_len`` windows."""
 
-    files: list[str] = field(default_factory=lambda: ["stdlib:*.py"])
+    _prefix: ClassVar[str] = "data"
+
+    files: tuple[str, ...] = ("stdlib:*.py",)
     seq_len: int = 128
     max_bytes: int = 4_000_000
     tokenizer: str = "byte"
 
     def __post_init__(self) -> None:
-        _positive(self.seq_len, "data.seq_len")
-        _positive(self.max_bytes, "data.max_bytes")
+        check_int(self.seq_len, "data.seq_len", minimum=1)
+        check_int(self.max_bytes, "data.max_bytes", minimum=1)
         if self.tokenizer != "byte":
             raise ConfigError("data.tokenizer", self.tokenizer, "use 'byte' (vocab 256)")
-        if not self.files or not all(isinstance(f, str) for f in self.files):
+        files = self.files
+        if not isinstance(files, list | tuple) or not files or not all(isinstance(f, str) for f in files):
             raise ConfigError("data.files", self.files, "give a list of glob patterns")
+        _set(self, "files", tuple(self.files))
 
 
-@dataclass
-class OptimizerSection:
+@dataclass(frozen=True)
+class OptimizerSection(ConfigSection):
     """AdamW with linear warmup, then cosine decay to ``min_lr_ratio * lr``; gradient clipping."""
+
+    _prefix: ClassVar[str] = "optimizer"
 
     lr: float = 3e-3
     weight_decay: float = 0.01
@@ -84,18 +76,24 @@ class OptimizerSection:
     grad_clip: float | None = 1.0
 
     def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)
-        if not (isinstance(self.lr, int | float) and self.lr > 0):
-            raise ConfigError("optimizer.lr", self.lr, "use a positive learning rate")
-        _positive(self.warmup_steps, "optimizer.warmup_steps", zero=True)
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError("optimizer.min_lr_ratio", self.min_lr_ratio, "use a value in [0, 1]")
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ConfigError("optimizer.grad_clip", self.grad_clip, "use a positive norm, or null for none")
+        _set(self, "lr", check_float(self.lr, "optimizer.lr", minimum=0.0, strict=True))
+        _set(self, "weight_decay", check_float(self.weight_decay, "optimizer.weight_decay", minimum=0.0))
+        if not isinstance(self.betas, list | tuple) or len(self.betas) != 2:
+            raise ConfigError("optimizer.betas", self.betas, "give two numbers, e.g. [0.9, 0.95]")
+        _set(self, "betas", tuple(check_float(b, "optimizer.betas", minimum=0.0) for b in self.betas))
+        _set(self, "eps", check_float(self.eps, "optimizer.eps", minimum=0.0, strict=True))
+        check_int(self.warmup_steps, "optimizer.warmup_steps", minimum=0)
+        ratio = check_float(self.min_lr_ratio, "optimizer.min_lr_ratio", minimum=0.0)
+        if ratio > 1:
+            raise ConfigError("optimizer.min_lr_ratio", ratio, "use a value in [0, 1]")
+        if self.grad_clip is not None:
+            _set(self, "grad_clip", check_float(self.grad_clip, "optimizer.grad_clip", minimum=0.0, strict=True))
 
 
-@dataclass
-class RunSection:
+@dataclass(frozen=True)
+class RunSection(ConfigSection):
+    _prefix: ClassVar[str] = "run"
+
     steps: int = 100
     micro_batch: int = 4
     grad_accum: int = 1
@@ -103,23 +101,35 @@ class RunSection:
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch", "grad_accum"):
-            _positive(getattr(self, name), f"run.{name}")
-        _positive(self.seed, "run.seed", zero=True)
+            check_int(getattr(self, name), f"run.{name}", minimum=1)
+        check_int(self.seed, "run.seed", minimum=0)
 
 
-@dataclass
-class CheckpointSection:
+@dataclass(frozen=True)
+class CheckpointSection(ConfigSection):
+    _prefix: ClassVar[str] = "checkpoint"
+
     save_every: int = 0  # 0: only at the end
     keep: int = 3
 
     def __post_init__(self) -> None:
-        _positive(self.save_every, "checkpoint.save_every", zero=True)
-        _positive(self.keep, "checkpoint.keep")
+        check_int(self.save_every, "checkpoint.save_every", minimum=0)
+        check_int(self.keep, "checkpoint.keep", minimum=1)
 
 
-@dataclass
-class JobConfig:
-    model: ModelSection
+@dataclass(frozen=True)
+class JobConfig(ConfigSection):
+    _nested: ClassVar[dict[str, type[ConfigSection]]] = {
+        "model": ModelSection,
+        "data": DataSection,
+        "optimizer": OptimizerSection,
+        "run": RunSection,
+        "checkpoint": CheckpointSection,
+        "turbo": FSDPTurboConfig,
+    }
+    _prefix: ClassVar[str] = ""  # sections are named as they stand in the file
+
+    model: ModelSection | None = None
     data: DataSection = field(default_factory=DataSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     run: RunSection = field(default_factory=RunSection)
@@ -127,45 +137,26 @@ class JobConfig:
     turbo: FSDPTurboConfig = field(default_factory=FSDPTurboConfig)
     output_dir: str = "fsdp_turbo_output"
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> JobConfig:
-        if not isinstance(data, dict):
-            raise ConfigError("job", type(data).__name__, "the file must hold a mapping of sections")
-        sections = {"model", "data", "optimizer", "run", "checkpoint", "turbo", "output_dir"}
-        unknown = sorted(set(data) - sections)
-        if unknown:
-            raise ConfigError(unknown[0], data[unknown[0]], f"remove it; sections are {sorted(sections)}",
-                              reason="unknown section")
-        if "model" not in data:
+    def __post_init__(self) -> None:
+        if self.model is None:
             raise ConfigError("model", None, "add a model section (an HF config dict or model_name_or_path)")
-        return cls(
-            model=_section(ModelSection, data["model"], "model"),
-            data=_section(DataSection, data.get("data"), "data"),
-            optimizer=_section(OptimizerSection, data.get("optimizer"), "optimizer"),
-            run=_section(RunSection, data.get("run"), "run"),
-            checkpoint=_section(CheckpointSection, data.get("checkpoint"), "checkpoint"),
-            turbo=FSDPTurboConfig.from_dict(data.get("turbo") or {}),
-            output_dir=str(data.get("output_dir", "fsdp_turbo_output")),
-        )
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> JobConfig:
-        path = Path(path)
-        if path.suffix.lower() in (".yaml", ".yml"):
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        elif path.suffix.lower() == ".toml":
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        else:
-            raise ConfigError("config", str(path), "use a .yaml, .yml or .toml file")
-        return cls.from_dict(data)
+        for name, kind in self._nested.items():
+            value = getattr(self, name)
+            if value is None and name != "model":
+                _set(self, name, kind())  # an empty section in the file: its defaults
+            elif not isinstance(getattr(self, name), kind):
+                raise ConfigError(name, value, f"use a mapping of {kind.__name__} fields")
+        if not isinstance(self.output_dir, str) or not self.output_dir:
+            raise ConfigError("output_dir", self.output_dir, "give a directory path")
 
     def with_overrides(self, *, max_steps: int | None = None, output_dir: str | None = None,
                        save_every: int | None = None) -> JobConfig:
         """Command-line flags win over the file."""
+        job = self
         if max_steps is not None:
-            self.run = dataclasses.replace(self.run, steps=max_steps)
+            job = dataclasses.replace(job, run=dataclasses.replace(job.run, steps=max_steps))
         if save_every is not None:
-            self.checkpoint = dataclasses.replace(self.checkpoint, save_every=save_every)
+            job = dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, save_every=save_every))
         if output_dir is not None:
-            self.output_dir = output_dir
-        return self
+            job = dataclasses.replace(job, output_dir=output_dir)
+        return job

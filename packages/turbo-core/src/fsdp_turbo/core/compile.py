@@ -12,6 +12,8 @@ modules and before FSDP, whose hooks then wrap the compiled forward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -19,7 +21,7 @@ from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.model_inspect import select_blocks
 from fsdp_turbo.core.parallel_state import ParallelState
-from fsdp_turbo.core.plugin import Stage, Transform
+from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, Stage, Transform
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
 _log = get_logger(__name__)
@@ -53,23 +55,31 @@ def compile_block(module: nn.Module, backend: str = "inductor") -> nn.Module:
     return module
 
 
+@dataclass(frozen=True)
+class CompilePlan(FeaturePlan):
+    blocks: tuple[str, ...]
+    backend: str
+
+    def describe(self) -> tuple[PlanRow, ...]:
+        return (PlanRow("compile_plan", self.blocks),)
+
+
 class CompileTransform(Transform):
     """``torch.compile`` on each block the plan picks (default: the repeated blocks)."""
 
     name = "compile"
     stage = Stage.COMPILE
 
-    def is_enabled(self, config: FSDPTurboConfig, parallel_state: ParallelState) -> bool:
-        return config.compile
-
-    def validate(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> None:
+    def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
+             upstream: Plans) -> CompilePlan:
         check_backend(config.compile_backend)
-        for name, block in select_blocks(model, config.compile_plan, field="compile_plan").items():
-            _check_not_compiled(name, block)
-
-    def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:
         blocks = select_blocks(model, config.compile_plan, field="compile_plan")
-        for block in blocks.values():
-            compile_block(block, config.compile_backend)
-        _log.info(f"compile: {len(blocks)} blocks with backend {config.compile_backend!r}")
+        for name, block in blocks.items():
+            _check_not_compiled(name, block)
+        return CompilePlan(tuple(blocks), config.compile_backend)
+
+    def apply(self, model: nn.Module, plan: CompilePlan, parallel_state: ParallelState) -> nn.Module:
+        for name in plan.blocks:
+            compile_block(model.get_submodule(name), plan.backend)
+        _log.info(f"compile: {len(plan.blocks)} blocks with backend {plan.backend!r}")
         return model

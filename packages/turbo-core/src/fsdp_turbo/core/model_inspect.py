@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
@@ -74,3 +77,77 @@ def select_blocks(model: nn.Module, patterns: Sequence[str] | None, *, field: st
         raise ConfigError(field, None, f"give {field}=['model.layers.*'] (or your block pattern)",
                           reason="the model has no recognisable repeated blocks to default to")
     return blocks
+
+
+# ----- DTensors ------------------------------------------------------------------------------
+def is_dtensor(value: object) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # builds without torch.distributed
+        return False
+    return isinstance(value, DTensor)
+
+
+def local_tensor(value: torch.Tensor | None, *, differentiable: bool = True) -> torch.Tensor | None:
+    """A DTensor's local shard, else the tensor (or None) itself.
+
+    ``differentiable=True`` goes through ``to_local()``, so gradients flow back to the
+    DTensor (a GEMM on this rank's block of a weight). ``False`` reads the local tensor
+    directly, with no autograd record: for code that moves storage (the swaps)."""
+    if not is_dtensor(value):
+        return value
+    return value.to_local() if differentiable else value._local_tensor
+
+
+# ----- fused MoE experts ---------------------------------------------------------------------
+EXPERT_FORWARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def has_router_forward(module: nn.Module) -> bool:
+    """Whether ``module.forward`` takes ``(hidden_states, top_k_index, top_k_weights)``."""
+    try:
+        params = tuple(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params[:3] == EXPERT_FORWARD_ARGS
+
+
+@dataclass(frozen=True)
+class FusedExpertsForm:
+    """The shape of a fused experts container (transformers v5 form).
+
+    ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` (``[E, H, 2I]`` / ``[E, I, H]``
+    when the module says ``is_transposed``), optional ``gate_up_proj_bias`` /
+    ``down_proj_bias``, and ``forward(hidden_states, top_k_index, top_k_weights)``.
+    """
+
+    num_experts: int
+    hidden: int
+    intermediate: int
+    transposed: bool
+    has_bias: bool
+
+
+def fused_experts_form(module: nn.Module) -> FusedExpertsForm | None:
+    """The form of ``module`` if it is a fused experts container, else ``None``. The one
+    recogniser: expert parallel and MX quantization both use it."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)):
+        return None
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
+        return None
+    transposed = bool(getattr(module, "is_transposed", False))
+    if transposed:
+        experts, hidden, two_inter = gate_up.shape
+        expected_down = (experts, two_inter // 2, hidden)
+    else:
+        experts, two_inter, hidden = gate_up.shape
+        expected_down = (experts, hidden, two_inter // 2)
+    if two_inter % 2 or tuple(down.shape) != expected_down:
+        return None
+    # The gate is the module's own ``_apply_gate`` (HF's experts decorator adds one), else ``act_fn(gate) * up``.
+    gated = callable(getattr(module, "_apply_gate", None)) or callable(getattr(module, "act_fn", None))
+    if not gated or not has_router_forward(module):
+        return None
+    has_bias = any(isinstance(getattr(module, n, None), nn.Parameter) for n in ("gate_up_proj_bias", "down_proj_bias"))
+    return FusedExpertsForm(experts, hidden, two_inter // 2, transposed, has_bias)

@@ -1,11 +1,77 @@
-"""Small field checks shared by the config dataclasses; each raises ConfigError."""
+"""The config dataclasses' shared base (dicts and files in, dicts out) and the small field
+checks they use; everything raises ConfigError. The library config and the ``fsdp-turbo``
+job file are both built on it."""
 
 from __future__ import annotations
 
+import dataclasses
+import tomllib
 from collections.abc import Iterable
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
+import torch
+
+from fsdp_turbo.core.dtypes import dtype_name
 from fsdp_turbo.core.errors import ConfigError
+
+
+class ConfigSection:
+    """A config dataclass that loads from a dict, a YAML file or a TOML file.
+
+    Unknown keys are a ConfigError naming ``<prefix>.<key>`` and the known fields.
+    ``_nested`` maps a field to the section class its mapping value is built into.
+    """
+
+    _nested: ClassVar[dict[str, type[ConfigSection]]] = {}
+    _prefix: ClassVar[str] = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, *, prefix: str | None = None):
+        prefix = cls._prefix if prefix is None else prefix
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(prefix or cls.__name__, data, "use a mapping of field names to values")
+        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - known)
+        if unknown:
+            where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+            raise ConfigError(where, data[unknown[0]], f"remove it; known fields are {sorted(known)}",
+                              reason="unknown field")
+        kwargs = dict(data)
+        for name, nested in cls._nested.items():
+            if isinstance(kwargs.get(name), dict):
+                kwargs[name] = nested.from_dict(kwargs[name], prefix=nested._prefix or name)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, ConfigSection):
+                value = value.to_dict()
+            elif isinstance(value, torch.dtype):
+                value = dtype_name(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_file(cls, path: str | Path):
+        """YAML (safe: no object construction) or TOML."""
+        path = Path(path)
+        suffix = path.suffix.lower()
+        if suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        elif suffix == ".toml":
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        else:
+            raise ConfigError("path", str(path), "use a .yaml, .yml or .toml file")
+        return cls.from_dict(data)
 
 
 def check_bool(value: Any, field: str) -> bool:

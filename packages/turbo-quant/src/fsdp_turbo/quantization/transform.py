@@ -2,49 +2,65 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.parallel_state import ParallelState
-from fsdp_turbo.core.patterns import matches_any
-from fsdp_turbo.core.plugin import Stage, Transform
+from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, SplitsParameters, Stage, Transform
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
-from fsdp_turbo.quantization.converter import convert_model, plan_conversion
+from fsdp_turbo.quantization.converter import Conversion, apply_conversions, plan_conversion
+from fsdp_turbo.quantization.training.recipe import MXRecipe
 
 _log = get_logger(__name__)
 
 
-def tensor_parallel_unsuitable(model: nn.Module, config: FSDPTurboConfig) -> dict[str, str]:
+@dataclass(frozen=True)
+class QuantizePlan(FeaturePlan):
+    conversions: tuple[Conversion, ...]
+    recipe: MXRecipe
+
+    def describe(self) -> tuple[PlanRow, ...]:
+        return (PlanRow("quantization_plan", tuple(f"{c.name} ({c.converter})" for c in self.conversions)),)
+
+
+def tensor_parallel_unsuitable(model: nn.Module, tp: SplitsParameters, block: int) -> dict[str, str]:
     """Linears whose tensor-parallel shard does not hold whole blocks (each rank quantizes its shard)."""
-    tp, plan = config.tensor_parallel_size, config.tp_plan
-    if tp == 1 or plan is None:
-        return {}
-    block = config.quantization_plan.block_size
     unsuitable = {}
     for name, module in model.named_modules():
-        for patterns, dim, label in ((plan.colwise_parallel, "out_features", "colwise"),
-                                     (plan.rowwise_parallel, "in_features", "rowwise")):
-            size = getattr(module, dim, None)
-            if isinstance(size, int) and matches_any(name, patterns or ()) and (size // tp) % block:
-                unsuitable[name] = (f"it is {label} over tp={tp}, so each rank holds {dim}={size // tp}, "
-                                    f"not a multiple of block_size={block}")
+        if not isinstance(module, nn.Linear):
+            continue
+        whole = (module.out_features, module.in_features)
+        local = tp.local_shape(f"{name}.weight", whole)
+        split = [f"{dim}={size}" for dim, size, full in zip(("out_features", "in_features"), local, whole, strict=True)
+                 if size != full and size % block]
+        if split:
+            unsuitable[name] = (f"tensor parallel leaves each rank {', '.join(split)}, "
+                                f"not a multiple of block_size={block}")
     return unsuitable
 
 
 class QuantizeTransform(Transform):
+    """MX training on the modules the plan's converters pick.
+
+    Receives the tensor-parallel plan: each TP rank quantizes its own shard, so a Linear
+    whose shard holds no whole block is left in high precision."""
+
     name = "quantize"
     stage = Stage.QUANTIZE
+    requires = ("tensor_parallel",)
 
-    def is_enabled(self, config: FSDPTurboConfig, parallel_state: ParallelState) -> bool:
-        return config.quantization_plan is not None
+    def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
+             upstream: Plans) -> QuantizePlan:
+        settings, tp = config.quantization_plan, upstream["tensor_parallel"]
+        unsuitable = tensor_parallel_unsuitable(model, tp, settings.block_size) if tp is not None else {}
+        conversions = plan_conversion(model, settings, unsuitable=unsuitable)
+        return QuantizePlan(tuple(conversions), MXRecipe.from_config(settings))
 
-    def validate(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> None:
-        plan_conversion(model, config.quantization_plan, unsuitable=tensor_parallel_unsuitable(model, config))
-
-    def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:
-        converted = convert_model(model, config.quantization_plan,
-                                  unsuitable=tensor_parallel_unsuitable(model, config))
-        plan = config.quantization_plan
-        _log.info(f"quantize: {len(converted)} modules to {plan.quant_format} blocks of {plan.block_size} "
-                  f"({plan.scale_mode})")
+    def apply(self, model: nn.Module, plan: QuantizePlan, parallel_state: ParallelState) -> nn.Module:
+        apply_conversions(model, plan.conversions, plan.recipe)
+        recipe = plan.recipe
+        _log.info(f"quantize: {len(plan.conversions)} modules to {recipe.quant_format} blocks of {recipe.block_size} "
+                  f"({recipe.scale_mode})")
         return model

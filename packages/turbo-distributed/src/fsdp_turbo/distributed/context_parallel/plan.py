@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.plugin import FeaturePlan, PlanRow
 from fsdp_turbo.fsdp_turbo_config import CPPlanConfig
+
+if TYPE_CHECKING:
+    from fsdp_turbo.core.memory_estimate import MemoryModel
 
 # Core attentions the wrapper can hand the whole sequence to (flex needs a block mask
 # built for the full sequence, paged ones a cache: not supported).
@@ -23,7 +27,25 @@ class CPTarget:
 
     hf_implementation: str | None = None
     function_path: str | None = None
-    function: Callable[..., Any] | None = None
+    # The function the path names, imported once when planning; equal paths make equal plans.
+    function: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+
+    def describe(self) -> str:
+        return self.function_path or f"HF attention '{self.hf_implementation}'"
+
+
+@dataclass(frozen=True)
+class CPPlan(FeaturePlan):
+    """Ulysses over ``size`` ranks around ``target``."""
+
+    size: int
+    target: CPTarget
+
+    def describe(self) -> tuple[PlanRow, ...]:
+        return (PlanRow("cp_plan (attention)", (self.target.describe(),)),)
+
+    def estimate(self, memory: MemoryModel) -> None:
+        memory.tokens //= self.size  # each rank holds 1/cp of the sequence outside attention
 
 
 def _import_attention(path: str) -> Callable[..., Any]:

@@ -10,11 +10,11 @@ from torch import nn
 from fsdp_turbo.core.hf import register_attention_function
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.parallel_state import ParallelState
-from fsdp_turbo.core.plugin import Stage, Transform
+from fsdp_turbo.core.plugin import Plans, Stage, Transform
 from fsdp_turbo.distributed.context_parallel.context import CPState
 from fsdp_turbo.distributed.context_parallel.inputs import install_input_splitter
 from fsdp_turbo.distributed.context_parallel.loss import install_loss_sum
-from fsdp_turbo.distributed.context_parallel.plan import CPTarget, resolve_cp_target
+from fsdp_turbo.distributed.context_parallel.plan import CPPlan, CPTarget, resolve_cp_target
 from fsdp_turbo.distributed.context_parallel.ulysses import ulysses_core_attention, ulysses_hf_attention
 from fsdp_turbo.fsdp_turbo_config import CPPlanConfig, FSDPTurboConfig
 
@@ -36,9 +36,9 @@ def _install_function(target: CPTarget, state: CPState) -> str:
     return target.function_path
 
 
-def apply_context_parallel(model: nn.Module, plan: CPPlanConfig | None, cp_mesh) -> CPState:
-    """Ulysses context parallel without the facade; ``cp_mesh`` is the 1-D CP mesh."""
-    target = resolve_cp_target(model, plan)
+def apply_cp_plan(model: nn.Module, plan: CPPlan, cp_mesh) -> CPState:
+    """Install Ulysses as planned; ``cp_mesh`` is the 1-D CP mesh."""
+    target = plan.target
     state = CPState(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank())
     where = _install_hf(model, state, target.hf_implementation) if target.hf_implementation else (
         _install_function(target, state))
@@ -49,18 +49,21 @@ def apply_context_parallel(model: nn.Module, plan: CPPlanConfig | None, cp_mesh)
     return state
 
 
+def apply_context_parallel(model: nn.Module, plan: CPPlanConfig | None, cp_mesh) -> CPState:
+    """Ulysses context parallel without the facade: resolve ``plan`` on ``model``, then install."""
+    return apply_cp_plan(model, CPPlan(cp_mesh.size(), resolve_cp_target(model, plan)), cp_mesh)
+
+
 class ContextParallelTransform(Transform):
     """Ulysses: attention on all of the sequence for heads/cp heads; the rest stays local."""
 
     name = "context_parallel"
     stage = Stage.CONTEXT_PARALLEL
 
-    def is_enabled(self, config: FSDPTurboConfig, parallel_state: ParallelState) -> bool:
-        return parallel_state.cp_size > 1
+    def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
+             upstream: Plans) -> CPPlan:
+        return CPPlan(parallel_state.cp_size, resolve_cp_target(model, config.cp_plan))
 
-    def validate(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> None:
-        resolve_cp_target(model, config.cp_plan)
-
-    def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:
-        apply_context_parallel(model, config.cp_plan, parallel_state.mesh("cp"))
+    def apply(self, model: nn.Module, plan: CPPlan, parallel_state: ParallelState) -> nn.Module:
+        apply_cp_plan(model, plan, parallel_state.mesh("cp"))
         return model

@@ -8,18 +8,24 @@ containers the plan picks; ``shard_experts`` puts expert FSDP on top. Dispatcher
 from fsdp_turbo.distributed.expert_parallel.dispatchers import DISPATCHERS, ExpertGroup
 from fsdp_turbo.distributed.expert_parallel.experts import ExpertAdapter, ExpertList, FusedExperts, expert_adapter
 from fsdp_turbo.distributed.expert_parallel.module import ExpertParallel, is_expert_parallel, make_expert_parallel
-from fsdp_turbo.distributed.expert_parallel.plan import resolve_ep_plan
+from fsdp_turbo.distributed.expert_parallel.plan import EPPlan, resolve_ep_plan
 from fsdp_turbo.distributed.expert_parallel.sharding import expert_fsdp_mesh, shard_experts
-from fsdp_turbo.distributed.expert_parallel.transform import ExpertParallelTransform, apply_expert_parallel
+from fsdp_turbo.distributed.expert_parallel.transform import (
+    ExpertParallelTransform,
+    apply_ep_plan,
+    apply_expert_parallel,
+)
 
 __all__ = [
     "DISPATCHERS",
+    "EPPlan",
     "ExpertAdapter",
     "ExpertGroup",
     "ExpertList",
     "ExpertParallel",
     "ExpertParallelTransform",
     "FusedExperts",
+    "apply_ep_plan",
     "apply_expert_parallel",
     "expert_adapter",
     "expert_fsdp_mesh",

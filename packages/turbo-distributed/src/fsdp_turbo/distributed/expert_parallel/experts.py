@@ -18,8 +18,9 @@ token groups, as a loop (``eager``) or as grouped GEMMs (``grouped``).
 from __future__ import annotations
 
 import abc
-import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
@@ -27,20 +28,10 @@ from torch import nn
 
 from fsdp_turbo.core.grouped_mm import grouped_linear
 from fsdp_turbo.core.logging import get_logger, warn_once
+from fsdp_turbo.core.model_inspect import fused_experts_form, has_router_forward, local_tensor
 from fsdp_turbo.core.ops import call_op
 
-FORWARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
 _log = get_logger(__name__)
-
-
-def has_router_forward(module: nn.Module) -> bool:
-    """Whether ``module.forward`` takes ``(hidden_states, top_k_index, top_k_weights)``."""
-    try:
-        params = tuple(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return False
-    return params[:3] == FORWARD_ARGS
-
 
 # Experts converted to MX training by turbo-quant carry ``mx_recipe``; turbo-quant registers
 # their grouped forward under this op name (no import between the two packages).
@@ -51,19 +42,13 @@ def is_quantized(module: nn.Module) -> bool:
     return getattr(module, "mx_recipe", None) is not None
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's block of an expert-sharded DTensor (the tensor itself otherwise)."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
-
-
+@dataclass(frozen=True)
 class ExpertAdapter(abc.ABC):
-    """How to shard and run one form of expert container."""
+    """How to shard and run one form of expert container. A value (it holds no module),
+    so it can sit in the expert-parallel plan."""
 
-    form: str = ""
-
-    def __init__(self, module: nn.Module, num_experts: int) -> None:
-        self.num_experts = num_experts
+    num_experts: int
+    form: ClassVar[str] = ""
 
     @abc.abstractmethod
     def keep_local_experts(self, module: nn.Module, first: int, count: int, ep_mesh) -> None:
@@ -93,23 +78,15 @@ def _loop_over_experts(x: torch.Tensor, expert: torch.Tensor, count: int,
     return x.new_zeros(x.shape[0], outputs[0].shape[-1]).index_copy(0, torch.cat(groups), torch.cat(outputs))
 
 
+@dataclass(frozen=True)
 class FusedExperts(ExpertAdapter):
-    form = "fused 3-D weights"
-
-    def __init__(self, module: nn.Module, num_experts: int) -> None:
-        super().__init__(module, num_experts)
-        self.transposed = bool(getattr(module, "is_transposed", False))
+    transposed: bool = False
+    form: ClassVar[str] = "fused 3-D weights"
 
     @staticmethod
     def detect(module: nn.Module) -> FusedExperts | None:
-        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-        if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)):
-            return None
-        if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
-            return None
-        if not has_router_forward(module):
-            return None
-        return FusedExperts(module, gate_up.shape[0])
+        found = fused_experts_form(module)
+        return None if found is None else FusedExperts(found.num_experts, found.transposed)
 
     def _param_names(self, module: nn.Module) -> list[str]:
         return [n for n in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
@@ -182,12 +159,13 @@ def _expert_list(module: nn.Module) -> nn.ModuleList | None:
 _SWIGLU_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
+@dataclass(frozen=True)
 class ExpertList(ExpertAdapter):
     """A ModuleList of experts. Non-local entries are removed from the list's registry but
     the local ones keep their global index as their name (``experts.5.w1.weight``), so
     ``state_dict`` keys are the model's own; each key then lives on its owner's ranks."""
 
-    form = "ModuleList of expert MLPs"
+    form: ClassVar[str] = "ModuleList of expert MLPs"
 
     @staticmethod
     def detect(module: nn.Module) -> ExpertList | None:
@@ -197,7 +175,7 @@ class ExpertList(ExpertAdapter):
         shapes = {tuple((n, tuple(p.shape)) for n, p in e.named_parameters()) for e in experts}
         if len(shapes) != 1 or not next(iter(shapes)):
             return None
-        return ExpertList(module, len(experts))
+        return ExpertList(len(experts))
 
     @staticmethod
     def local_experts(module: nn.Module) -> list[nn.Module]:

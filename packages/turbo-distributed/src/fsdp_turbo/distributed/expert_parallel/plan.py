@@ -2,23 +2,56 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.model_inspect import EXPERT_FORWARD_ARGS
 from fsdp_turbo.core.patterns import match_modules
-from fsdp_turbo.distributed.expert_parallel.experts import FORWARD_ARGS, ExpertAdapter, expert_adapter
+from fsdp_turbo.core.plugin import FeaturePlan, PlanRow
+from fsdp_turbo.distributed.expert_parallel.experts import ExpertAdapter, expert_adapter
 from fsdp_turbo.distributed.expert_parallel.module import is_expert_parallel
 from fsdp_turbo.fsdp_turbo_config import EPPlanConfig
 
+if TYPE_CHECKING:
+    from fsdp_turbo.core.memory_estimate import MemoryModel
+
 _EXPECTED = (f"fused 3-D gate_up_proj/down_proj weights, or a ModuleList of expert MLPs, with "
-             f"forward({', '.join(FORWARD_ARGS)})")
+             f"forward({', '.join(EXPERT_FORWARD_ARGS)})")
 
 
-def resolve_ep_plan(model: nn.Module, plan: EPPlanConfig, ep_size: int) -> dict[str, ExpertAdapter]:
+@dataclass(frozen=True)
+class EPPlan(FeaturePlan):
+    """The expert containers (name -> adapter), in model order, and how tokens reach them."""
+
+    ep: int
+    containers: tuple[tuple[str, ExpertAdapter], ...]
+    dispatcher: str
+    num_chunks: int
+
+    @property
+    def container_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.containers)
+
+    def describe(self) -> tuple[PlanRow, ...]:
+        return (PlanRow("ep_plan.apply_modules", self.container_names),)
+
+    def estimate(self, memory: MemoryModel) -> None:
+        # Each rank keeps 1/ep of the experts: dim 0 of fused weights (for a list of expert
+        # MLPs, the same bytes as keeping 1/ep of the entries).
+        prefixes = tuple(name + "." for name in self.container_names)
+        for name, layout in memory.params.items():
+            if name.startswith(prefixes) and layout.shape:
+                layout.shape[0] //= self.ep
+
+
+def resolve_ep_plan(model: nn.Module, plan: EPPlanConfig, ep_size: int) -> EPPlan:
     """The expert containers ``plan.apply_modules`` picks, with their adapters. Raises
     ``ConfigError`` (the same on every rank) and never communicates."""
     matches = match_modules(model, plan.apply_modules, field="ep_plan.apply_modules", outermost=True)
-    adapters: dict[str, ExpertAdapter] = {}
+    containers: list[tuple[str, ExpertAdapter]] = []
     for name, module in matches.items():
         if is_expert_parallel(module):
             raise ConfigError("ep_plan.apply_modules", name, "apply expert parallel once",
@@ -32,5 +65,5 @@ def resolve_ep_plan(model: nn.Module, plan: EPPlanConfig, ep_size: int) -> dict[
             raise ConfigError("expert_parallel_size", ep_size,
                               f"use a divisor of the number of experts ({adapter.num_experts})",
                               reason=f"{name} has {adapter.num_experts} experts")
-        adapters[name] = adapter
-    return adapters
+        containers.append((name, adapter))
+    return EPPlan(ep_size, tuple(containers), plan.dispatcher, plan.num_chunks)

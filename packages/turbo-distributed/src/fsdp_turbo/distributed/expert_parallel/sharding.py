@@ -9,14 +9,13 @@ job's data shards, so the experts divide by the dense data-parallel size instead
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
 from fsdp_turbo.core.parallel_state import ParallelState
-from fsdp_turbo.distributed.expert_parallel.module import is_expert_parallel
 
 
 def expert_fsdp_mesh(state: ParallelState):
@@ -35,14 +34,12 @@ def expert_gradient_divide_factor(state: ParallelState) -> float:
     return float(state.sizes.dp * state.sizes.cp)
 
 
-def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
-    return {name: module for name, module in model.named_modules() if is_expert_parallel(module)}
-
-
-def shard_experts(model: nn.Module, state: ParallelState, **fully_shard_kwargs) -> dict[str, nn.Module]:
-    """``fully_shard`` every expert-parallel container on the expert mesh; call before the
-    dense units so they leave the expert parameters alone."""
-    experts = expert_modules(model)
+def shard_experts(experts: Mapping[str, nn.Module], state: ParallelState, **fully_shard_kwargs
+                  ) -> Mapping[str, nn.Module]:
+    """``fully_shard`` expert-parallel containers (as ``apply_expert_parallel`` returns them)
+    on the expert mesh; call before the dense units so they leave the expert parameters alone."""
+    if not experts:
+        return experts
     mesh = expert_fsdp_mesh(state)
     for module in experts.values():
         local = module.ep_experts.num_experts // module.ep_experts.ep_size
@@ -57,7 +54,7 @@ def shard_experts(model: nn.Module, state: ParallelState, **fully_shard_kwargs) 
     return experts
 
 
-def nested_experts(unit: nn.Module, experts: dict[str, nn.Module]) -> list[nn.Module]:
+def nested_experts(unit: nn.Module, experts: Mapping[str, nn.Module]) -> list[nn.Module]:
     """The expert FSDP modules inside ``unit``, so prefetching a layer also fetches its experts."""
     inside = {id(m) for m in unit.modules()}
     return [module for module in experts.values() if id(module) in inside]

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from fsdp_turbo.core.device import has_streams
 from fsdp_turbo.core.logging import get_logger
-from fsdp_turbo.core.model_inspect import output_head
 from fsdp_turbo.core.parallel_state import ParallelState
-from fsdp_turbo.core.plugin import Stage, Transform
+from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, Stage, Transform
 from fsdp_turbo.distributed.expert_parallel.sharding import nested_experts, shard_experts
 from fsdp_turbo.distributed.fully_shard_parallel.units import prefetch_plan, select_units
 from fsdp_turbo.fsdp_turbo_config import FSDPPlanConfig, FSDPTurboConfig
+
+if TYPE_CHECKING:
+    from fsdp_turbo.core.memory_estimate import MemoryModel
 
 _log = get_logger(__name__)
 
@@ -38,61 +43,94 @@ def offload_policy(plan: FSDPPlanConfig, device_type: str) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=has_streams(device_type)) if plan.cpu_offload else OffloadPolicy()
 
 
-def _chunked_head_unit(model: nn.Module, config: FSDPTurboConfig, units: dict[str, nn.Module]) -> nn.Module | None:
-    if not config.chunk_loss:
-        return None
-    name = config.chunk_loss_plan.head_module
-    found = output_head(model) if name is None else (name, model.get_submodule(name))
-    head = found[1] if found else None
-    return head if any(unit is head for unit in units.values()) else None
+def _inside(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def _skip_prefetching_a_chunked_head(model: nn.Module, config: FSDPTurboConfig, units: dict[str, nn.Module]) -> None:
+@dataclass(frozen=True)
+class FSDPPlan(FeaturePlan):
+    """The FSDP units in model order (the root is wrapped last), the ignored modules, the
+    expert containers to shard first on the expert mesh, and a chunked-loss head unit."""
+
+    settings: FSDPPlanConfig
+    units: tuple[str, ...]
+    ignored: tuple[str, ...]
+    experts: tuple[str, ...]
+    chunked_head: str | None
+    shards: int  # fsdp x cp
+    expert_shards: int  # efsdp
+
+    def describe(self) -> tuple[PlanRow, ...]:
+        return (PlanRow("fsdp_plan.apply_modules", self.units), PlanRow("fsdp_plan.ignored_modules", self.ignored))
+
+    def estimate(self, memory: MemoryModel) -> None:
+        for name, layout in memory.params.items():
+            if _inside(name, self.experts):
+                layout.shards = self.expert_shards
+                if layout.shape and layout.shape[0] < layout.shards:
+                    layout.shard_dim = 1  # too few local experts: Shard(1), see expert_placement
+            elif not _inside(name, self.ignored):
+                layout.shards = self.shards
+
+
+def plan_fully_shard(model: nn.Module, settings: FSDPPlanConfig, state: ParallelState, *,
+                     experts: tuple[str, ...] = (), chunked_head: str | None = None) -> FSDPPlan:
+    selection = select_units(model, settings)
+    head_unit = chunked_head if chunked_head in selection.units else None
+    return FSDPPlan(settings, tuple(selection.units), tuple(selection.ignored), experts, head_unit,
+                    state.fsdp_size * state.cp_size, state.efsdp_size)
+
+
+def _skip_prefetching_a_chunked_head(model: nn.Module, plan: FSDPPlan, units: list[nn.Module]) -> None:
     # A chunked-loss head computes its weight gradient in forward, so backward never needs
     # its parameters; FSDP's implicit backward prefetch (root -> the unit before it in
     # post-forward order, the head) would all-gather them for nothing. Prefetch the unit
     # before the head instead.
-    head = _chunked_head_unit(model, config, units)
-    if head is None:
+    if plan.chunked_head is None:
         return
-    before = [unit for unit in units.values() if unit is not head]
+    before = [unit for name, unit in zip(plan.units, units, strict=True) if name != plan.chunked_head]
     if before:
         model.set_modules_to_backward_prefetch([before[-1]])
 
 
 class FullyShardTransform(Transform):
-    """``fully_shard`` each unit the plan picks (default: the repeated blocks), then the root."""
+    """``fully_shard`` each unit the plan picks (default: the repeated blocks), then the root.
+
+    Receives the expert-parallel plan (its containers shard first, on the expert mesh)
+    and the chunked-loss plan (its head is not backward-prefetched)."""
 
     name = "fully_shard"
     stage = Stage.FULLY_SHARD
+    requires = ("expert_parallel", "chunk_loss")
 
-    def is_enabled(self, config: FSDPTurboConfig, parallel_state: ParallelState) -> bool:
-        # Any launched job shards, even a world of one (it still gets mixed precision and offload).
-        return parallel_state.world_size > 1 or parallel_state.distributed
+    def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
+             upstream: Plans) -> FSDPPlan:
+        experts, chunk_loss = upstream["expert_parallel"], upstream["chunk_loss"]
+        return plan_fully_shard(model, config.fsdp_plan, parallel_state,
+                                experts=experts.container_names if experts is not None else (),
+                                chunked_head=chunk_loss.head if chunk_loss is not None else None)
 
-    def validate(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> None:
-        select_units(model, config.fsdp_plan)
-
-    def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:
-        plan = config.fsdp_plan
-        selection = select_units(model, plan)
-        ignored = selection.ignored_params() or None
+    def apply(self, model: nn.Module, plan: FSDPPlan, parallel_state: ParallelState) -> nn.Module:
+        settings = plan.settings
+        ignored = {p for name in plan.ignored for p in model.get_submodule(name).parameters()} or None
         options = {
             "mesh": parallel_state.fsdp_mesh(),
-            "offload_policy": offload_policy(plan, parallel_state.device_type),
+            "offload_policy": offload_policy(settings, parallel_state.device_type),
             "ignored_params": ignored,
         }
-        units = list(selection.units.values())
-        unit_kwargs = {"mp_policy": mixed_precision_policy(plan, root=False),
-                       "reshard_after_forward": reshard_after_forward(plan, root=False),
+        units = [model.get_submodule(name) for name in plan.units]
+        unit_kwargs = {"mp_policy": mixed_precision_policy(settings, root=False),
+                       "reshard_after_forward": reshard_after_forward(settings, root=False),
                        "offload_policy": options["offload_policy"]}
         # Experts first, on their own mesh: the dense units then skip their parameters.
-        experts = shard_experts(model, parallel_state, **unit_kwargs)
+        experts = shard_experts({name: model.get_submodule(name) for name in plan.experts}, parallel_state,
+                                **unit_kwargs)
         for unit in units:
             fully_shard(unit, **unit_kwargs, mesh=options["mesh"], ignored_params=ignored)
-        fully_shard(model, mp_policy=mixed_precision_policy(plan, root=True),
-                    reshard_after_forward=reshard_after_forward(plan, root=True), **options)
-        for index, ahead, behind in prefetch_plan(units, plan.num_to_forward_prefetch, plan.num_to_backward_prefetch):
+        fully_shard(model, mp_policy=mixed_precision_policy(settings, root=True),
+                    reshard_after_forward=reshard_after_forward(settings, root=True), **options)
+        for index, ahead, behind in prefetch_plan(units, settings.num_to_forward_prefetch,
+                                                  settings.num_to_backward_prefetch):
             # Prefetching a layer also fetches the experts inside it (their own FSDP units).
             if ahead:
                 units[index].set_modules_to_forward_prefetch(
@@ -100,7 +138,7 @@ class FullyShardTransform(Transform):
             if behind:
                 units[index].set_modules_to_backward_prefetch(
                     [m for unit in behind for m in (*nested_experts(unit, experts), unit)])
-        _skip_prefetching_a_chunked_head(model, config, selection.units)
+        _skip_prefetching_a_chunked_head(model, plan, units)
         _log.info(f"fully_shard: {len(units)} units + root over mesh {options['mesh'].mesh.tolist()}"
                   + (f"; {len(experts)} expert units over {parallel_state.sizes.expert_shape}" if experts else ""))
         return model

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -15,6 +17,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.model_inspect import attention_heads, output_head, repeated_blocks
 from fsdp_turbo.core.patterns import check_disjoint, match_modules
+from fsdp_turbo.core.plugin import FeaturePlan, PlanRow
 from fsdp_turbo.distributed.tensor_parallel.styles import (
     SEQUENCE_DIM,
     HeadLocalParallel,
@@ -24,20 +27,115 @@ from fsdp_turbo.distributed.tensor_parallel.styles import (
 )
 from fsdp_turbo.fsdp_turbo_config import TPPlanConfig
 
+if TYPE_CHECKING:
+    from fsdp_turbo.core.memory_estimate import MemoryModel
+
 SHARDABLE = (nn.Linear, nn.Embedding)
 
 
-@dataclass
-class ResolvedTPPlan:
-    """Module name -> style, plus the parameter groups that must stay tied."""
+class StyleKind(StrEnum):
+    """What tensor parallel does to one module (see ``styles.py`` for the ones torch lacks)."""
 
-    styles: dict[str, ParallelStyle] = field(default_factory=dict)
-    kinds: dict[str, str] = field(default_factory=dict)
-    tied: list[list[tuple[str, str]]] = field(default_factory=list)
+    COLWISE = "colwise"  # weight split on its output dim (Embedding: on embedding_dim)
+    ROWWISE = "rowwise"  # weight split on its input dim (Embedding: on num_embeddings)
+    SEQUENCE_PARALLEL = "sequence_parallel"  # a norm computing on this rank's sequence slice
+    PREPARE_INPUT = "prepare_input"  # the parent of colwise siblings: its input gathered once
+    HEAD_LOCAL = "head_local"  # acts per head on head-sharded activations (Qwen3's q_norm)
+    SCATTER_SEQUENCE = "scatter_sequence"  # the first block: the entry into the sequence region
+    GATHER_REPLICATE = "gather_replicate"  # an unsharded output head after sequence parallel
+    REPLICATE = "replicate"  # outside the plan: replicated parameters, local compute
+    REPLICATE_SEQUENCE_LOCAL = "replicate_sequence_local"  # ditto, seeing this rank's tokens only
+
+
+SHARDED_KINDS = frozenset({StyleKind.COLWISE, StyleKind.ROWWISE})
+
+
+@dataclass(frozen=True)
+class StyleChoice:
+    """A style, as data; ``build_style`` makes the torch ``ParallelStyle`` from it."""
+
+    kind: StyleKind
+    embedding: bool = False  # the module is an nn.Embedding
+    sequence_sharded: bool = False  # colwise: input on sequence shards; rowwise: output; prepare_input: SP
+    vocab_shards: bool = False  # colwise head under loss parallel: keep the logits vocab-sharded
+    gather_output: bool = False  # colwise output head without loss parallel: whole-vocabulary logits
+
+
+def build_style(choice: StyleChoice) -> ParallelStyle:
+    kind, sequence = choice.kind, Shard(SEQUENCE_DIM)
+    if kind is StyleKind.COLWISE:
+        if choice.embedding:
+            return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        input_layout = sequence if choice.sequence_sharded else Replicate()
+        if choice.vocab_shards:
+            return ColwiseParallel(input_layouts=input_layout, output_layouts=Shard(-1), use_local_output=False)
+        if choice.gather_output:
+            return ColwiseParallel(input_layouts=input_layout, output_layouts=Replicate())
+        return ColwiseParallel(input_layouts=input_layout)
+    if kind is StyleKind.ROWWISE:
+        if choice.embedding:
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        return RowwiseParallel(output_layouts=sequence if choice.sequence_sharded else Replicate())
+    builders = {
+        StyleKind.SEQUENCE_PARALLEL: lambda: SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True),
+        StyleKind.PREPARE_INPUT: lambda: PrepareHiddenStates(sequence_parallel=choice.sequence_sharded),
+        StyleKind.HEAD_LOCAL: HeadLocalParallel,
+        StyleKind.SCATTER_SEQUENCE: ScatterSequence,
+        StyleKind.GATHER_REPLICATE: lambda: ReplicateParallel(gather_sequence=True),
+        StyleKind.REPLICATE: ReplicateParallel,
+        StyleKind.REPLICATE_SEQUENCE_LOCAL: lambda: ReplicateParallel(sum_grads=True),
+    }
+    return builders[kind]()
+
+
+TiedGroup = tuple[tuple[str, str], ...]  # (module name, parameter name) sharing one parameter
+
+
+@dataclass(frozen=True)
+class TPPlan(FeaturePlan):
+    """Module name -> style, in the order to apply them, plus what TP splits and ties."""
+
+    tp: int
+    styles: tuple[tuple[str, StyleChoice], ...]
+    tied: tuple[TiedGroup, ...] = ()
     loss_head: str | None = None
+    shard_dims: tuple[tuple[str, int], ...] = ()  # parameter name -> the dim TP splits
 
-    def add(self, name: str, style: ParallelStyle, kind: str) -> None:
-        self.styles[name], self.kinds[name] = style, kind
+    @property
+    def kinds(self) -> dict[str, StyleKind]:
+        return {name: choice.kind for name, choice in self.styles}
+
+    def local_shape(self, parameter: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """``shape`` of ``parameter`` as one TP rank holds it."""
+        dim = dict(self.shard_dims).get(parameter)
+        if dim is None:
+            return tuple(shape)
+        return tuple(size // self.tp if index == dim else size for index, size in enumerate(shape))
+
+    def describe(self) -> tuple[PlanRow, ...]:
+        by_kind: dict[str, list[str]] = defaultdict(list)
+        for name, choice in self.styles:
+            by_kind[choice.kind.value].append(name)
+        return tuple(PlanRow(f"tp_plan ({kind})", tuple(names)) for kind, names in sorted(by_kind.items()))
+
+    def estimate(self, memory: MemoryModel) -> None:
+        for parameter, dim in self.shard_dims:
+            if parameter in memory.params:  # a tied parameter is listed once, under its first name
+                memory.params[parameter].shape[dim] //= self.tp
+        if self.loss_head is not None:
+            memory.vocab_shards = self.tp
+
+
+def _shard_dims(name: str, module: nn.Module, kind: StyleKind) -> list[tuple[str, int]]:
+    # Linear weights are [out, in]: colwise splits dim 0 (and the bias), rowwise dim 1.
+    # Embedding weights are [num_embeddings, embedding_dim]: colwise splits dim 1, rowwise dim 0.
+    colwise = kind is StyleKind.COLWISE
+    if isinstance(module, nn.Embedding):
+        return [(f"{name}.weight", 1 if colwise else 0)]
+    dims = [(f"{name}.weight", 0 if colwise else 1)]
+    if colwise and module.bias is not None:
+        dims.append((f"{name}.bias", 0))
+    return dims
 
 
 def _parent(name: str) -> str:
@@ -75,13 +173,13 @@ def _check_heads(model: nn.Module, tp: int) -> None:
                           f"num_key_value_heads={kv_heads}", reason="key/value heads must split evenly")
 
 
-def _tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
+def _tied_groups(model: nn.Module) -> list[TiedGroup]:
     owners: dict[int, list[tuple[str, str]]] = defaultdict(list)
     for module_name, module in model.named_modules(remove_duplicate=False):
         for param_name, param in module.named_parameters(recurse=False):
             if (module_name, param_name) not in owners[id(param)]:
                 owners[id(param)].append((module_name, param_name))
-    return [group for group in owners.values() if len(group) > 1]
+    return [tuple(group) for group in owners.values() if len(group) > 1]
 
 
 def _outside(exclude: Collection[str]) -> Callable[[str, nn.Module], bool]:
@@ -89,89 +187,104 @@ def _outside(exclude: Collection[str]) -> Callable[[str, nn.Module], bool]:
     return lambda name, _module: name not in exclude and not name.startswith(prefixes)
 
 
-def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int, exclude: Collection[str] = ()) -> ResolvedTPPlan:
+@dataclass(frozen=True)
+class _Matches:
+    """What the plan's patterns picked, each in model order."""
+
+    colwise: dict[str, nn.Module]
+    rowwise: dict[str, nn.Module]
+    sequence: dict[str, nn.Module]
+
+
+def _match(model: nn.Module, plan: TPPlanConfig, keep: Callable[[str, nn.Module], bool]) -> _Matches:
+    def pick(patterns, field_name, outermost=False):
+        return match_modules(model, patterns, field=field_name, outermost=outermost, module_filter=keep) \
+            if patterns else {}
+
+    return _Matches(colwise=pick(plan.colwise_parallel, "tp_plan.colwise_parallel"),
+                    rowwise=pick(plan.rowwise_parallel, "tp_plan.rowwise_parallel"),
+                    sequence=pick(plan.sequence_parallel, "tp_plan.sequence_parallel", outermost=True))
+
+
+def _validate(model: nn.Module, matches: _Matches, tp: int) -> None:
+    check_disjoint({"tp_plan.colwise_parallel": matches.colwise, "tp_plan.rowwise_parallel": matches.rowwise,
+                    "tp_plan.sequence_parallel": matches.sequence})
+    _check_types_and_sizes(matches.colwise, "tp_plan.colwise_parallel", tp, colwise=True)
+    _check_types_and_sizes(matches.rowwise, "tp_plan.rowwise_parallel", tp, colwise=False)
+    _check_heads(model, tp)
+
+
+def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int, exclude: Collection[str] = ()) -> TPPlan:
     """Validate ``plan`` on ``model`` and choose a style for every module TP touches.
 
     Modules in ``exclude`` (expert-parallel containers) and everything inside them are
     left to their own transform: patterns do not see them and no style is chosen."""
     keep = _outside(frozenset(exclude))
+    matches = _match(model, plan, keep)
+    _validate(model, matches, tp)
+    loss_head = _loss_head(model, plan, matches.colwise)
+    styles = _choose_styles(model, plan, matches, loss_head, keep)
+    tied = _check_tied(model, styles)
+    shard_dims = [dim for name, choice in styles.items() if choice.kind in SHARDED_KINDS
+                  for dim in _shard_dims(name, model.get_submodule(name), choice.kind)]
+    return TPPlan(tp, tuple(styles.items()), tuple(tied), loss_head, tuple(shard_dims))
 
-    def pick(patterns, field_name, outermost=False):
-        return match_modules(model, patterns, field=field_name, outermost=outermost, module_filter=keep) \
-            if patterns else {}
 
-    colwise = pick(plan.colwise_parallel, "tp_plan.colwise_parallel")
-    rowwise = pick(plan.rowwise_parallel, "tp_plan.rowwise_parallel")
-    sequence = pick(plan.sequence_parallel, "tp_plan.sequence_parallel", outermost=True)
-    check_disjoint({"tp_plan.colwise_parallel": colwise, "tp_plan.rowwise_parallel": rowwise,
-                    "tp_plan.sequence_parallel": sequence})
-    _check_types_and_sizes(colwise, "tp_plan.colwise_parallel", tp, colwise=True)
-    _check_types_and_sizes(rowwise, "tp_plan.rowwise_parallel", tp, colwise=False)
-    _check_heads(model, tp)
+def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss_head: str | None,
+                   keep: Callable[[str, nn.Module], bool]) -> dict[str, StyleChoice]:
+    colwise, rowwise, sequence = matches.colwise, matches.rowwise, matches.sequence
     sp = bool(sequence)
-    resolved = ResolvedTPPlan()
     blocks = repeated_blocks(model)
     block_names = set(blocks)
     planned = set(colwise) | set(rowwise) | set(sequence)
 
     # A colwise projection inside a block's sub-module (attention, MLP) shares its input
-    # with its siblings: prepare that input once at the parent.
-    hook_parents = {_parent(n) for n, m in colwise.items() if isinstance(m, nn.Linear)}
-    hook_parents = {p for p in hook_parents if p and p not in block_names and p not in planned}
-    head_local = {
-        name: module for name, module in model.named_modules()
-        if name and keep(name, module) and name not in planned and _parent(name) in hook_parents
-        and _own_params(module) and not _children_own_params(module)
-    }
-
-    resolved.loss_head = _loss_head(model, plan, colwise)
+    # with its siblings: prepare that input once at the parent. In model order, so every
+    # rank makes the same plan.
+    parents = {_parent(n) for n, m in colwise.items() if isinstance(m, nn.Linear)}
+    hook_parents = [n for n, _ in model.named_modules()
+                    if n and n in parents and n not in block_names and n not in planned]
+    head_local = [name for name, module in model.named_modules()
+                  if name and keep(name, module) and name not in planned and _parent(name) in hook_parents
+                  and _own_params(module) and not _children_own_params(module)]
     head_name = _output_head(model)
+    styles: dict[str, StyleChoice] = {}
     for name in hook_parents:
-        resolved.add(name, PrepareHiddenStates(sequence_parallel=sp), "prepare_input")
+        styles[name] = StyleChoice(StyleKind.PREPARE_INPUT, sequence_sharded=sp)
     for name, module in colwise.items():
-        style = _colwise_style(module, own_input=_parent(name) not in hook_parents, sp=sp,
-                               loss_parallel=name == resolved.loss_head, output_head=name == head_name)
-        resolved.add(name, style, "colwise")
+        styles[name] = _colwise_choice(module, sequence_input=sp and _parent(name) not in hook_parents,
+                                       vocab_shards=name == loss_head, gather_output=name == head_name)
     for name, module in rowwise.items():
-        if isinstance(module, nn.Embedding):
-            style = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        else:
-            style = RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM) if sp else Replicate())
-        resolved.add(name, style, "rowwise")
+        embedding = isinstance(module, nn.Embedding)
+        styles[name] = StyleChoice(StyleKind.ROWWISE, embedding=embedding, sequence_sharded=sp and not embedding)
     for name in sequence:
-        resolved.add(name, SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True), "sequence_parallel")
+        styles[name] = StyleChoice(StyleKind.SEQUENCE_PARALLEL)
     for name in head_local:
-        resolved.add(name, HeadLocalParallel(), "head_local")
+        styles[name] = StyleChoice(StyleKind.HEAD_LOCAL)
     if sp:
-        _check_sequence_region(model, plan, blocks, set(resolved.styles))
-        first = next(iter(blocks))
-        resolved.add(first, ScatterSequence(), "scatter_sequence")
-        head = _output_head(model)
-        if head is None:
+        _check_sequence_region(model, plan, blocks, set(styles))
+        styles[next(iter(blocks))] = StyleChoice(StyleKind.SCATTER_SEQUENCE)
+        if head_name is None:
             raise ConfigError("tp_plan.sequence_parallel", list(plan.sequence_parallel),
                               "sequence parallel needs an output head (get_output_embeddings()) to gather before")
-        if head not in colwise:
-            resolved.add(head, ReplicateParallel(gather_sequence=True), "gather_replicate")
+        if head_name not in colwise:
+            styles[head_name] = StyleChoice(StyleKind.GATHER_REPLICATE)
     # Inside the sequence region, a leftover module not behind a prepared (gathered) input
     # sees only this rank's tokens: an MoE router or its experts.
     sequence_local = (lambda name: any(name.startswith(b + ".") for b in block_names)
                       and not any(name.startswith(p + ".") for p in hook_parents)) if sp else (lambda name: False)
-    _replicate_the_rest(model, resolved, colwise, rowwise, sequence_local, keep)
-    resolved.tied = _check_tied(model, resolved)
-    return resolved
+    _replicate_the_rest(model, styles, set(colwise) | set(rowwise), sequence_local, keep)
+    return styles
 
 
-def _colwise_style(module: nn.Module, *, own_input: bool, sp: bool, loss_parallel: bool,
-                   output_head: bool) -> ParallelStyle:
+def _colwise_choice(module: nn.Module, *, sequence_input: bool, vocab_shards: bool,
+                    gather_output: bool) -> StyleChoice:
     if isinstance(module, nn.Embedding):
-        return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    input_layout = Shard(SEQUENCE_DIM) if (sp and own_input) else Replicate()
-    if loss_parallel:
-        return ColwiseParallel(input_layouts=input_layout, output_layouts=Shard(-1), use_local_output=False)
-    if output_head:
-        # The model's loss and its users read whole-vocabulary logits: gather them.
-        return ColwiseParallel(input_layouts=input_layout, output_layouts=Replicate())
-    return ColwiseParallel(input_layouts=input_layout)
+        return StyleChoice(StyleKind.COLWISE, embedding=True)
+    # Loss parallel keeps the head's logits vocab-sharded; without it the model's loss and
+    # its users read whole-vocabulary logits, so the output head gathers them.
+    return StyleChoice(StyleKind.COLWISE, sequence_sharded=sequence_input, vocab_shards=vocab_shards,
+                       gather_output=gather_output and not vocab_shards)
 
 
 def _loss_head(model: nn.Module, plan: TPPlanConfig, colwise: dict[str, nn.Module]) -> str | None:
@@ -202,27 +315,25 @@ def _check_sequence_region(model: nn.Module, plan: TPPlanConfig, blocks: dict, s
                           reason=f"{len(missing)} norm module(s) would see sequence shards as if replicated")
 
 
-def _replicate_the_rest(model: nn.Module, resolved: ResolvedTPPlan, colwise: dict, rowwise: dict,
+def _replicate_the_rest(model: nn.Module, styles: dict[str, StyleChoice], sharded: set[str],
                         sequence_local: Callable[[str], bool], keep: Callable[[str, nn.Module], bool]) -> None:
-    sharded = set(colwise) | set(rowwise)
     for name, module in model.named_modules():
-        if not name or not keep(name, module) or name in resolved.styles or name in sharded or not _own_params(module):
+        if not name or not keep(name, module) or name in styles or name in sharded or not _own_params(module):
             continue
         if _children_own_params(module):
             raise ConfigError("tp_plan", name, "give its parameters their own leaf module, or shard it",
                               reason=f"{name} owns parameters and has sub-modules; TP cannot place them")
-        if sequence_local(name):
-            resolved.add(name, ReplicateParallel(sum_grads=True), "replicate_sequence_local")
-        else:
-            resolved.add(name, ReplicateParallel(), "replicate")
+        kind = StyleKind.REPLICATE_SEQUENCE_LOCAL if sequence_local(name) else StyleKind.REPLICATE
+        styles[name] = StyleChoice(kind)
 
 
-def _check_tied(model: nn.Module, resolved: ResolvedTPPlan) -> list[list[tuple[str, str]]]:
+def _check_tied(model: nn.Module, styles: dict[str, StyleChoice]) -> list[TiedGroup]:
     groups = _tied_groups(model)
+    kinds = {name: choice.kind for name, choice in styles.items()}
     for group in groups:
-        kinds = {resolved.kinds.get(module_name) for module_name, _ in group}
-        replicated = kinds <= {"replicate", "gather_replicate"}
-        if (replicated or kinds == {"rowwise", "colwise"}) and _vocab_shards_agree(model, group, resolved):
+        group_kinds = {kinds.get(module_name) for module_name, _ in group}
+        replicated = group_kinds <= {StyleKind.REPLICATE, StyleKind.GATHER_REPLICATE}
+        if (replicated or group_kinds == set(SHARDED_KINDS)) and _vocab_shards_agree(model, group, kinds):
             continue
         names = [m for m, _ in group]
         raise ConfigError("tp_plan", names, "shard tied weights alike: the embedding rowwise and the output head "
@@ -230,13 +341,13 @@ def _check_tied(model: nn.Module, resolved: ResolvedTPPlan) -> list[list[tuple[s
     return groups
 
 
-def _vocab_shards_agree(model: nn.Module, group: list[tuple[str, str]], resolved: ResolvedTPPlan) -> bool:
+def _vocab_shards_agree(model: nn.Module, group: TiedGroup, kinds: dict[str, StyleKind]) -> bool:
     # Embedding rowwise and Linear colwise both shard the [vocab, hidden] weight on dim 0.
     for module_name, _ in group:
-        kind = resolved.kinds.get(module_name)
+        kind = kinds.get(module_name)
         module = model.get_submodule(module_name)
-        if kind == "rowwise" and not isinstance(module, nn.Embedding):
+        if kind is StyleKind.ROWWISE and not isinstance(module, nn.Embedding):
             return False
-        if kind == "colwise" and not isinstance(module, nn.Linear):
+        if kind is StyleKind.COLWISE and not isinstance(module, nn.Linear):
             return False
     return True

@@ -2,62 +2,71 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
+from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.parallel_state import ParallelState
-from fsdp_turbo.core.plugin import Stage, Transform
-from fsdp_turbo.distributed.expert_parallel.plan import resolve_ep_plan
+from fsdp_turbo.core.plugin import Plans, Stage, Transform
 from fsdp_turbo.distributed.tensor_parallel.loss import LossParallelLossFunction
-from fsdp_turbo.distributed.tensor_parallel.plan import ResolvedTPPlan, resolve_tp_plan
+from fsdp_turbo.distributed.tensor_parallel.plan import StyleKind, TiedGroup, TPPlan, build_style, resolve_tp_plan
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
 _log = get_logger(__name__)
 
 
-def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
+def _retie(model: nn.Module, groups: tuple[TiedGroup, ...]) -> None:
     for (first_module, first_param), *others in groups:
         shared = getattr(model.get_submodule(first_module), first_param)
         for module_name, param_name in others:
             setattr(model.get_submodule(module_name), param_name, shared)
 
 
-def resolve_config_tp_plan(model: nn.Module, config: FSDPTurboConfig, tp: int, ep: int) -> ResolvedTPPlan:
-    """The facade's TP plan: expert-parallel containers are split by expert, not by TP,
-    so with ``ep > 1`` TP leaves them alone."""
-    experts = resolve_ep_plan(model, config.ep_plan, ep) if ep > 1 else {}
-    return resolve_tp_plan(model, config.tp_plan, tp, exclude=experts)
-
-
-def apply_tp_plan(model: nn.Module, resolved: ResolvedTPPlan, tp_mesh) -> nn.Module:
-    """Apply resolved styles (usable without the facade)."""
-    for name, style in resolved.styles.items():
-        parallelize_module(model.get_submodule(name), tp_mesh, style)
-    _retie(model, resolved.tied)
-    if resolved.loss_head is not None and hasattr(model, "loss_function"):
+def apply_tp_plan(model: nn.Module, plan: TPPlan, tp_mesh) -> nn.Module:
+    """Apply a resolved plan (usable without the facade)."""
+    for name, choice in plan.styles:
+        parallelize_module(model.get_submodule(name), tp_mesh, build_style(choice))
+    _retie(model, plan.tied)
+    if plan.loss_head is not None and hasattr(model, "loss_function"):
         # HF models compute the loss inside forward: make it run on the vocab shards.
         model.loss_function = LossParallelLossFunction(model.loss_function)
     return model
 
 
+def _check_expert_parallel_has_sequence_parallel(config: FSDPTurboConfig, plan: TPPlan) -> None:
+    if not any(choice.kind is StyleKind.SEQUENCE_PARALLEL for _, choice in plan.styles):
+        # Without sequence parallel every TP rank holds the same tokens and would send
+        # them all to the experts again (Megatron requires sequence parallel here too).
+        raise ConfigError("tp_plan.sequence_parallel", list(config.tp_plan.sequence_parallel),
+                          "enable sequence parallel (e.g. ['*layernorm', 'model.norm']) with expert "
+                          "parallel and tensor parallel together",
+                          reason="expert parallel with tensor parallel needs each TP rank to hold its own tokens")
+
+
 class TensorParallelTransform(Transform):
-    """Colwise / rowwise Linear and Embedding, sequence-parallel norms, loss-parallel head."""
+    """Colwise / rowwise Linear and Embedding, sequence-parallel norms, loss-parallel head.
+
+    Receives the expert-parallel plan: expert containers are split by expert, not by TP,
+    so TP leaves them alone, and needs sequence parallel beside them."""
 
     name = "tensor_parallel"
     stage = Stage.TENSOR_PARALLEL
+    requires = ("expert_parallel",)
 
-    def is_enabled(self, config: FSDPTurboConfig, parallel_state: ParallelState) -> bool:
-        return parallel_state.tp_size > 1
+    def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
+             upstream: Plans) -> TPPlan:
+        experts = upstream["expert_parallel"]
+        plan = resolve_tp_plan(model, config.tp_plan, parallel_state.tp_size,
+                               exclude=experts.container_names if experts is not None else ())
+        if experts is not None:
+            _check_expert_parallel_has_sequence_parallel(config, plan)
+        return plan
 
-    def validate(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> None:
-        resolve_config_tp_plan(model, config, parallel_state.tp_size, parallel_state.ep_size)
-
-    def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:
-        resolved = resolve_config_tp_plan(model, config, parallel_state.tp_size, parallel_state.ep_size)
-        apply_tp_plan(model, resolved, parallel_state.mesh("tp"))
-        counts: dict[str, int] = {}
-        for kind in resolved.kinds.values():
-            counts[kind] = counts.get(kind, 0) + 1
-        _log.info(f"tensor_parallel over {parallel_state.tp_size} ranks: {counts}")
+    def apply(self, model: nn.Module, plan: TPPlan, parallel_state: ParallelState) -> nn.Module:
+        apply_tp_plan(model, plan, parallel_state.mesh("tp"))
+        counts = Counter(choice.kind.value for _, choice in plan.styles)
+        _log.info(f"tensor_parallel over {plan.tp} ranks: {dict(counts)}")
         return model

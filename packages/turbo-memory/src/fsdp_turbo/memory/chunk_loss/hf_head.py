@@ -169,18 +169,25 @@ class ChunkedLossHandle:
         self.model.loss_function = self._inner_loss
 
 
-def install_chunked_loss(model: nn.Module, *, head_module: str | None = None, chunk_size: int = 1024,
-                         ignore_index: int = -100, z_loss_weight: float = 0.0,
-                         logit_softcap: float | None = None) -> ChunkedLossHandle:
-    """Make ``model(..., labels=...)`` compute its loss chunk by chunk (HF causal LMs).
+def plan_chunked_loss(model: nn.Module, *, head_module: str | None = None, chunk_size: int = 1024,
+                      ignore_index: int = -100, z_loss_weight: float = 0.0,
+                      logit_softcap: float | None = None) -> tuple[str, ChunkLossSettings]:
+    """The head's name and the settings ``install_chunked_loss`` would use. Raises ConfigError.
 
     ``logit_softcap`` defaults to the model's ``final_logit_softcapping`` (Gemma), which
     the model would otherwise apply to the logits it no longer builds.
     """
     check_causal_lm(model)
-    _, head = resolve_head(model, head_module)
+    name, head = resolve_head(model, head_module)
     if hasattr(head, HANDLE_ATTR):
         raise ConfigError("chunk_loss", True, "install chunked loss once", reason="the head already has it")
     if logit_softcap is None:
         logit_softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-    return ChunkedLossHandle(model, head, ChunkLossSettings(chunk_size, ignore_index, z_loss_weight, logit_softcap))
+    return name, ChunkLossSettings(chunk_size, ignore_index, z_loss_weight, logit_softcap)
+
+
+def install_chunked_loss(model: nn.Module, **options: Any) -> ChunkedLossHandle:
+    """Make ``model(..., labels=...)`` compute its loss chunk by chunk (HF causal LMs).
+    ``options`` are :func:`plan_chunked_loss`'s."""
+    head, settings = plan_chunked_loss(model, **options)
+    return ChunkedLossHandle(model, model.get_submodule(head), settings)

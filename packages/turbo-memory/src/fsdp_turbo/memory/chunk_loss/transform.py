@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.parallel_state import ParallelState
-from fsdp_turbo.core.plugin import Stage, Transform
+from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, Stage, Transform
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
-from fsdp_turbo.memory.chunk_loss.hf_head import check_causal_lm, install_chunked_loss, resolve_head
+from fsdp_turbo.memory.chunk_loss.hf_head import ChunkedLossHandle, ChunkLossSettings, plan_chunked_loss
+
+if TYPE_CHECKING:
+    from fsdp_turbo.core.memory_estimate import MemoryModel
 
 _log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ChunkLossPlan(FeaturePlan):
+    head: str
+    settings: ChunkLossSettings
+
+    def describe(self) -> tuple[PlanRow, ...]:
+        return (PlanRow("chunk_loss_plan.head_module", (self.head,)),)
+
+    def estimate(self, memory: MemoryModel) -> None:
+        memory.logit_chunk = self.settings.chunk_size
 
 
 class ChunkLossTransform(Transform):
@@ -18,17 +36,15 @@ class ChunkLossTransform(Transform):
     name = "chunk_loss"
     stage = Stage.CHUNK_LOSS
 
-    def is_enabled(self, config: FSDPTurboConfig, parallel_state: ParallelState) -> bool:
-        return config.chunk_loss
-
-    def validate(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> None:
-        check_causal_lm(model)
-        resolve_head(model, config.chunk_loss_plan.head_module)
-
-    def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:
+    def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
+             upstream: Plans) -> ChunkLossPlan:
         plan = config.chunk_loss_plan
-        handle = install_chunked_loss(model, head_module=plan.head_module, chunk_size=plan.chunk_size,
-                                      ignore_index=plan.ignore_index, z_loss_weight=plan.z_loss_weight,
-                                      logit_softcap=plan.logit_softcap)
-        _log.info(f"chunk_loss: {type(handle.head).__name__} in chunks of {plan.chunk_size} tokens")
+        head, settings = plan_chunked_loss(model, head_module=plan.head_module, chunk_size=plan.chunk_size,
+                                           ignore_index=plan.ignore_index, z_loss_weight=plan.z_loss_weight,
+                                           logit_softcap=plan.logit_softcap)
+        return ChunkLossPlan(head, settings)
+
+    def apply(self, model: nn.Module, plan: ChunkLossPlan, parallel_state: ParallelState) -> nn.Module:
+        handle = ChunkedLossHandle(model, model.get_submodule(plan.head), plan.settings)
+        _log.info(f"chunk_loss: {type(handle.head).__name__} in chunks of {plan.settings.chunk_size} tokens")
         return model

@@ -72,9 +72,18 @@ def apply_recompute(modules: Iterable[nn.Module], policy: str | Sequence[str] = 
     context_fn = context_fn_for(policy)
     modules = list(modules)
     for module in modules:
-        if is_recomputed(module):
-            raise ConfigError("recompute_plan", type(module).__name__, "apply recompute once per module",
-                              reason="the module is already checkpointed")
+        check_not_recomputed(type(module).__name__, module)
+    return checkpoint_modules(modules, context_fn)
+
+
+def check_not_recomputed(name: str, module: nn.Module) -> None:
+    if is_recomputed(module):
+        raise ConfigError("recompute_plan", name, "apply recompute once per module",
+                          reason="the module is already checkpointed")
+
+
+def checkpoint_modules(modules: list[nn.Module], context_fn: Callable[[], tuple] | None) -> list[nn.Module]:
+    """:func:`apply_recompute` once its inputs are checked and its policy resolved."""
     for module in modules:
         module.register_forward_pre_hook(_drop_kv_cache, with_kwargs=True)
         _checkpoint_forward(module, context_fn)

@@ -85,16 +85,26 @@ def _policy(save: frozenset[str], ctx, func, *args, **kwargs) -> CheckpointPolic
 def selective_context_fn(save_ops: Sequence[str] | None = None) -> Callable[[], tuple]:
     """A ``context_fn`` for non-reentrant checkpoint that saves ``save_ops`` (default:
     matmuls, attention and collectives) and recomputes everything else."""
-    save = _default_save_ops() if save_ops is None else resolve_save_ops(save_ops)
+    return context_fn_saving(_default_save_ops() if save_ops is None else resolve_save_ops(save_ops))
+
+
+def context_fn_saving(save: frozenset[str]) -> Callable[[], tuple]:
+    """The selective ``context_fn`` for ops already resolved by :func:`resolve_save_ops`."""
     return functools.partial(create_selective_checkpoint_contexts, functools.partial(_policy, save))
 
 
-def context_fn_for(policy: str | Sequence[str]) -> Callable[[], tuple] | None:
-    """``'full'`` -> None (plain checkpoint); ``'selective'`` -> the default op list; a list -> those ops."""
+def save_ops_for(policy: str | Sequence[str]) -> frozenset[str] | None:
+    """``'full'`` -> None (save nothing); ``'selective'`` -> the default op list; a list -> those ops."""
     if policy == "full":
         return None
     if policy == "selective":
-        return selective_context_fn()
+        return _default_save_ops()
     if isinstance(policy, str):
         raise ConfigError("recompute_policy", policy, "use 'full', 'selective' or a list of op names")
-    return selective_context_fn(tuple(policy))
+    return resolve_save_ops(tuple(policy))
+
+
+def context_fn_for(policy: str | Sequence[str]) -> Callable[[], tuple] | None:
+    """``'full'`` -> None (plain checkpoint); otherwise the selective ``context_fn``."""
+    save = save_ops_for(policy)
+    return None if save is None else context_fn_saving(save)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from fsdp_turbo.memory.dtensors import local_tensor
+from fsdp_turbo.core.model_inspect import local_tensor
 
 
 def state_holders(module: nn.Module) -> list[nn.Module]:
@@ -26,5 +26,5 @@ def state_storages(holders: Sequence[nn.Module]) -> set[int]:
     for holder in holders:
         for tensor in (*holder._parameters.values(), *holder._buffers.values()):
             if tensor is not None:
-                found.add(local_tensor(tensor).untyped_storage().data_ptr())
+                found.add(local_tensor(tensor, differentiable=False).untyped_storage().data_ptr())
     return found

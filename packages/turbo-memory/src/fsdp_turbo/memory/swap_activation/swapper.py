@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_turbo.core.device import detect_device_type, has_streams
 from fsdp_turbo.core.logging import get_logger
-from fsdp_turbo.memory.dtensors import is_dtensor, local_tensor
+from fsdp_turbo.core.model_inspect import is_dtensor, local_tensor
 from fsdp_turbo.memory.recompute.apply import is_recomputed
 from fsdp_turbo.memory.swap_activation.filters import (
     state_holders,
@@ -189,7 +189,7 @@ class ActivationSwapper:
         if group.state is not State.OPEN:
             return tensor.detach()
         dtensor = is_dtensor(tensor) and not isinstance(tensor, nn.Parameter)
-        local = local_tensor(tensor) if dtensor else tensor
+        local = local_tensor(tensor, differentiable=False) if dtensor else tensor
         if not self._swappable(group.index, local):
             return tensor.detach()
         entry = group.add(local)

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fsdp_turbo.core.device import pinned_empty
-from fsdp_turbo.memory.dtensors import DTensor, is_dtensor, local_tensor
+from fsdp_turbo.core.model_inspect import is_dtensor, local_tensor
 
 
 def swappable(value: object, device_type: str) -> bool:
@@ -23,7 +24,7 @@ def swappable(value: object, device_type: str) -> bool:
     """
     if not isinstance(value, torch.Tensor) or value.requires_grad:
         return False
-    local = local_tensor(value)
+    local = local_tensor(value, differentiable=False)
     # Other tensor subclasses (quantized optimizer states, ...) may not survive a plain copy.
     return (type(local) is torch.Tensor and local.layout == torch.strided and local.dim() > 0 and local.numel() > 0
             and local.device.type == device_type)
@@ -54,7 +55,7 @@ class HostSlot:
 
     @classmethod
     def for_value(cls, value: torch.Tensor, device_type: str) -> HostSlot:
-        local = local_tensor(value)
+        local = local_tensor(value, differentiable=False)
         host_local = pinned_empty(local.shape, local.dtype, device_type)
         host_value = host_local
         if is_dtensor(value):
@@ -68,7 +69,7 @@ class HostSlot:
         self.device, self.stride = local.device, _dense_stride(local)
 
     def fits(self, value: torch.Tensor) -> bool:
-        local = local_tensor(value)
+        local = local_tensor(value, differentiable=False)
         if (local.shape, local.dtype) != (self.host_local.shape, self.host_local.dtype):
             return False
         if is_dtensor(value) != is_dtensor(self.host_value):

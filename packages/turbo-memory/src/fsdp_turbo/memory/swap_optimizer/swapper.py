@@ -20,7 +20,7 @@ import torch
 
 from fsdp_turbo.core.device import has_streams, new_stream, stream_context
 from fsdp_turbo.core.logging import get_logger
-from fsdp_turbo.memory.dtensors import local_tensor
+from fsdp_turbo.core.model_inspect import local_tensor
 from fsdp_turbo.memory.swap_optimizer.slots import HostSlot, swappable
 from fsdp_turbo.memory.swap_optimizer.state_map import SwapStateMap
 
@@ -102,7 +102,7 @@ def device_type_of(optimizer: torch.optim.Optimizer) -> str:
     """The accelerator the optimizer's parameters live on, else ``"cpu"``."""
     for group in optimizer.param_groups:
         for param in group["params"]:
-            kind = local_tensor(param).device.type
+            kind = local_tensor(param, differentiable=False).device.type
             if kind != "cpu":
                 return kind
     return "cpu"
@@ -270,7 +270,7 @@ class OptimizerStateSwapper:
             entry = self._state_entry(param)
             if entry is None or entry.get(key) is not slot.host_value:
                 continue  # replaced since the prefetch: the new value wins
-            local = local_tensor(value)
+            local = local_tensor(value, differentiable=False)
             self._streams.used_on_compute(local)
             entry[key] = value
             moved += local.numel() * local.element_size()
@@ -304,7 +304,7 @@ class OptimizerStateSwapper:
                         if not self._is_device_state(param, key, value):
                             continue
                         slot = self._slot_for(param, key, value)
-                        local = local_tensor(value)
+                        local = local_tensor(value, differentiable=False)
                         slot.host_local.copy_(local, non_blocking=self._streams.active)
                         slot.remember(local)
                         self._streams.used_on_copies(local)

@@ -10,6 +10,7 @@ the states it created out.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,10 +19,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_turbo.core.device import has_streams
 from fsdp_turbo.core.logging import get_logger
-from fsdp_turbo.core.plugin import Stage, Transform
+from fsdp_turbo.core.plugin import FeaturePlan, Plans, Stage, Transform
 from fsdp_turbo.memory.swap_optimizer.swapper import SWAPPER_ATTR, OptimizerStateSwapper
 
 if TYPE_CHECKING:
+    from fsdp_turbo.core.memory_estimate import MemoryModel
     from fsdp_turbo.core.parallel_state import ParallelState
     from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
@@ -72,27 +74,35 @@ class ModelOptimizerSwap:
         _log.info(f"optimizer-state swap attached to {type(optimizer).__name__}")
 
 
+@dataclass(frozen=True)
+class SwapOptimizerPlan(FeaturePlan):
+    active: bool  # False: no streams on this device and no swap_optimizer_force, so a no-op
+    force: bool
+
+    def estimate(self, memory: MemoryModel) -> None:
+        memory.optimizer_on_device = not self.active
+
+
 class SwapOptimizerTransform(Transform):
     """``swap_optimizer=True``: optimizer states live in (pinned) host memory between steps."""
 
     name = "swap_optimizer"
     stage = Stage.OPTIMIZER_HOOKS
 
-    def is_enabled(self, config: FSDPTurboConfig, parallel_state: ParallelState) -> bool:
-        return config.swap_optimizer
+    def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
+             upstream: Plans) -> SwapOptimizerPlan:
+        # Any optimizer and any model work: nothing to check.
+        active = has_streams(parallel_state.device_type) or config.swap_optimizer_force
+        return SwapOptimizerPlan(active, config.swap_optimizer_force)
 
-    def validate(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState) -> None:
-        return None  # nothing to check: any optimizer and any model work
-
-    def apply(self, model: nn.Module, config: FSDPTurboConfig, parallel_state: ParallelState) -> nn.Module:
+    def apply(self, model: nn.Module, plan: SwapOptimizerPlan, parallel_state: ParallelState) -> nn.Module:
         device_type = parallel_state.device_type
-        if not has_streams(device_type) and not config.swap_optimizer_force:
+        if not plan.active:
             _log.info(f"swap_optimizer is a no-op on {device_type!r}: no streams to overlap copies with "
                       "(set swap_optimizer_force=True to swap anyway)")
             return model
         previous = getattr(model, HANDLE_ATTR, None)
         if previous is not None:
             previous.remove()
-        setattr(model, HANDLE_ATTR,
-                ModelOptimizerSwap(model, device_type=device_type, force=config.swap_optimizer_force))
+        setattr(model, HANDLE_ATTR, ModelOptimizerSwap(model, device_type=device_type, force=plan.force))
         return model

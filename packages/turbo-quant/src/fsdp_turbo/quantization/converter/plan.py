@@ -18,9 +18,8 @@ FIELD = "quantization_plan"
 
 @dataclass(frozen=True)
 class Conversion:
-    name: str
-    module: nn.Module
-    converter: Converter
+    name: str  # the module
+    converter: str  # the converter's registered name
 
 
 def _inside(name: str, parent: str) -> bool:
@@ -80,7 +79,7 @@ def plan_conversion(model: nn.Module, plan, *, unsuitable: Mapping[str, str] | N
                 raise ConfigError(f"{FIELD}.apply_modules", name, f"add {name!r} to ignored_modules",
                                   reason=f"{converter.name} cannot or should not convert it: {problem}")
             continue
-        conversions.append(Conversion(name, module, converter))
+        conversions.append(Conversion(name, converter.name))
     if picked is not None and not conversions:
         raise ConfigError(f"{FIELD}.apply_modules", list(plan.apply_modules),
                           f"pick modules one of {[c.name for c in converters]} can convert",
@@ -88,10 +87,14 @@ def plan_conversion(model: nn.Module, plan, *, unsuitable: Mapping[str, str] | N
     return conversions
 
 
-def convert_model(model: nn.Module, plan, *, unsuitable: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Convert in place what ``plan`` picks; returns ``{module name: converter name}``."""
-    conversions = plan_conversion(model, plan, unsuitable=unsuitable)
-    recipe = MXRecipe.from_config(plan)
+def apply_conversions(model: nn.Module, conversions: list[Conversion] | tuple[Conversion, ...],
+                      recipe: MXRecipe) -> dict[str, str]:
+    """Convert planned modules in place; returns ``{module name: converter name}``."""
     for conversion in conversions:
-        conversion.converter.convert(conversion.module, recipe)
-    return {c.name: c.converter.name for c in conversions}
+        get_converter(conversion.converter).convert(model.get_submodule(conversion.name), recipe)
+    return {c.name: c.converter for c in conversions}
+
+
+def convert_model(model: nn.Module, plan, *, unsuitable: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Convert in place what ``plan`` (a ``QuantizeConfig``) picks; returns ``{module name: converter name}``."""
+    return apply_conversions(model, plan_conversion(model, plan, unsuitable=unsuitable), MXRecipe.from_config(plan))

@@ -10,41 +10,29 @@ gradients are zero.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
 from fsdp_turbo.core.mixin import mix_in
+from fsdp_turbo.core.model_inspect import fused_experts_form, local_tensor
 from fsdp_turbo.core.ops import register_op
 from fsdp_turbo.quantization.training.mx_grouped_function import mx_grouped_linear
 from fsdp_turbo.quantization.training.recipe import MXRecipe
 
-_FORWARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
-
 
 def is_fused_experts(module: nn.Module) -> bool:
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
-        return False
-    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
-        return False
-    _, two_inter, hidden = gate_up.shape
-    if down.shape[1:] != (hidden, two_inter // 2) or not hasattr(module, "act_fn"):
-        return False
-    return tuple(inspect.signature(module.forward).parameters)[:3] == _FORWARD_ARGS
+    return fused_experts_form(module) is not None
 
 
 def experts_unsupported(module: nn.Module, recipe: MXRecipe) -> str | None:
-    _, two_inter, hidden = module.gate_up_proj.shape
-    bad = [f"{n}={v}" for n, v in (("hidden", hidden), ("intermediate", two_inter // 2)) if v % recipe.block_size]
+    form = fused_experts_form(module)
+    if form.transposed or form.has_bias:
+        return "MX experts take [E, 2I, H] / [E, H, I] weights without biases"
+    if not callable(getattr(module, "act_fn", None)):
+        return "MX experts gate with act_fn(gate) * up, and the module has no act_fn"
+    bad = [f"{n}={v}" for n, v in (("hidden", form.hidden), ("intermediate", form.intermediate))
+           if v % recipe.block_size]
     return f"{', '.join(bad)} not divisible by block_size={recipe.block_size}" if bad else None
-
-
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    # Expert parallel keeps each rank's experts as a DTensor block; the GEMMs take the block.
-    to_local = getattr(weight, "to_local", None)
-    return to_local() if callable(to_local) else weight
 
 
 @register_op("mx.experts_grouped")
@@ -62,8 +50,8 @@ def mx_experts_grouped(module: nn.Module, x: torch.Tensor, group_sizes: torch.Te
     rows = (torch.cumsum(padded, 0) - padded)[expert] + rank_in_group
     padded_x = x.new_zeros(int(padded.sum()), x.shape[-1]).index_copy(0, rows, x)
     offsets = torch.cumsum(padded, 0)
-    gate, up = mx_grouped_linear(padded_x, _local(module.gate_up_proj), offsets, recipe).chunk(2, dim=-1)
-    return mx_grouped_linear(module.act_fn(gate) * up, _local(module.down_proj), offsets, recipe)[rows]
+    gate, up = mx_grouped_linear(padded_x, local_tensor(module.gate_up_proj), offsets, recipe).chunk(2, dim=-1)
+    return mx_grouped_linear(module.act_fn(gate) * up, local_tensor(module.down_proj), offsets, recipe)[rows]
 
 
 class MXFusedExperts(nn.Module):

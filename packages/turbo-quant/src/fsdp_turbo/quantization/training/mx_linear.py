@@ -7,12 +7,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fsdp_turbo.core.mixin import mix_in
+from fsdp_turbo.core.model_inspect import local_tensor
 from fsdp_turbo.quantization.training.mx_linear_function import mx_linear
 from fsdp_turbo.quantization.training.recipe import MXRecipe
-
-
-def _local(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _tp_mx_linear(x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None, recipe: MXRecipe) -> DTensor:
@@ -27,7 +24,7 @@ def _tp_mx_linear(x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None, r
     out_dim = x.dim() - 1
     if isinstance(placement, Shard) and placement.dim == 0:  # colwise: out features sharded
         x_local = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-        out = mx_linear(x_local, weight.to_local(), _local(bias), recipe)
+        out = mx_linear(x_local, weight.to_local(), local_tensor(bias), recipe)
         return DTensor.from_local(out, mesh, [Shard(out_dim)], run_check=False)
     if isinstance(placement, Shard) and placement.dim == 1:  # rowwise: in features sharded
         x_local = x.redistribute(mesh, [Shard(out_dim)]).to_local()
@@ -35,7 +32,7 @@ def _tp_mx_linear(x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None, r
                                  run_check=False)
         return out if bias is None else out + bias
     x_local = x.redistribute(mesh, [Replicate()]).to_local()
-    out = mx_linear(x_local, weight.to_local(), _local(bias), recipe)
+    out = mx_linear(x_local, weight.to_local(), local_tensor(bias), recipe)
     return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
 
 

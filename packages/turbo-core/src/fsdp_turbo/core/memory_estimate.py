@@ -1,0 +1,99 @@
+"""A per-rank memory estimate built from the features' plans (``fsdp-turbo plan``).
+
+It starts from the whole model on one rank. Each enabled feature's plan then refines it
+(``FeaturePlan.estimate``), in pipeline order. TP and EP shrink the parameters they
+split. FSDP shards what is left over ``fsdp x cp``, padding the shard dim as FSDP2 pads
+it. CP divides the tokens. Recompute, activation swap, the chunked loss and loss
+parallel change which activations stay, and the optimizer swap moves the states to the
+host.
+
+Model state: fp32 parameters and their gradients; AdamW keeps two fp32 states per
+parameter and a 4-byte step per tensor. MX quantization keeps fp32 master weights, so it
+does not change the model state.
+
+Activations per micro-batch are a formula, not a measurement. Per decoder layer,
+``tokens x (16 H + 3 I)`` values are kept for backward, where ``I`` is the active MLP
+width. With full recompute a layer keeps ``tokens x H`` (``x 8 H`` selective), plus one
+layer's worth while it re-runs. With activation swap, about two blocks' worth stays on
+the device. Add the fp32 logits and their gradient, or one chunk of them with the
+chunked loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from fsdp_turbo.core.model_inspect import model_config_value, repeated_blocks
+
+FP32 = 4
+
+
+@dataclass
+class ParamLayout:
+    """One parameter as this rank holds it."""
+
+    shape: list[int]  # after the TP / EP splits
+    shards: int = 1  # FSDP shards of ``shard_dim`` (padded to a multiple, as FSDP2 does)
+    shard_dim: int = 0
+
+    def numel(self) -> int:
+        if not self.shape:
+            return 1
+        shape = list(self.shape)
+        shape[self.shard_dim] = math.ceil(shape[self.shard_dim] / self.shards)
+        return math.prod(shape)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+
+    @property
+    def model_state(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+
+@dataclass
+class MemoryModel:
+    """What the estimate is computed from; the plans' ``estimate`` methods change it."""
+
+    params: dict[str, ParamLayout]
+    tokens: int  # per micro-batch on this rank
+    hidden: int
+    inter: int  # the active MLP width
+    layers: int
+    vocab: int
+    per_layer: int  # values per token each layer keeps for backward
+    rerun: int = 0  # values per token of the one layer recompute re-runs at a time
+    swapped: bool = False  # activation swap: about two blocks' worth stays on the device
+    logit_chunk: int | None = None  # the chunked loss builds this many rows of logits at a time
+    vocab_shards: int = 1  # loss parallel keeps the logits vocab-sharded
+    optimizer_on_device: bool = True
+
+    @classmethod
+    def of(cls, model: nn.Module, tokens: int) -> MemoryModel:
+        """The whole ``model`` on one rank, for micro-batches of ``tokens`` tokens."""
+        hidden = model_config_value(model, "hidden_size") or 0
+        top_k = model_config_value(model, "num_experts_per_tok")
+        moe_width = model_config_value(model, "moe_intermediate_size")
+        inter = top_k * moe_width if top_k and moe_width else model_config_value(model, "intermediate_size") or 0
+        layers = len(repeated_blocks(model)) or model_config_value(model, "num_hidden_layers") or 0
+        params = {name: ParamLayout(list(param.shape)) for name, param in model.named_parameters()}
+        return cls(params, tokens, hidden, inter, layers, model_config_value(model, "vocab_size") or 0,
+                   per_layer=16 * hidden + 3 * inter)
+
+    def totals(self) -> MemoryEstimate:
+        parameters = sum(layout.numel() for layout in self.params.values()) * FP32
+        optimizer = 2 * parameters + FP32 * len(self.params) if self.optimizer_on_device else 0
+        kept = self.layers * self.tokens * self.per_layer + self.tokens * self.rerun
+        if self.swapped:
+            kept = min(kept, 2 * kept // max(self.layers, 1))
+        logit_rows = min(self.tokens, self.logit_chunk) if self.logit_chunk else self.tokens
+        activations = (kept + 2 * logit_rows * self.vocab // self.vocab_shards) * FP32
+        return MemoryEstimate(parameters, parameters, optimizer, activations)
