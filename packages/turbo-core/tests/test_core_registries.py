@@ -55,9 +55,6 @@ class _Named(Transform):
     def __init__(self, name, stage):
         self.name, self.stage = name, stage
 
-    def is_enabled(self, config, parallel_state):
-        return True
-
     def plan(self, config, model, parallel_state, upstream):
         return None
 
@@ -147,3 +144,42 @@ def test_repeated_blocks_fallback_for_plain_models():
 
     assert list(repeated_blocks(Net())) == ["blocks.0", "blocks.1", "blocks.2"]
     assert repeated_blocks(nn.Linear(2, 2)) == {}
+
+
+class _Needs(_Named):
+    def __init__(self, name, stage, requires=()):
+        super().__init__(name, stage)
+        self.requires = requires
+
+
+def test_planning_order_puts_each_plan_after_the_plans_it_needs():
+    from fsdp_turbo.core.plugin import planning_order
+
+    # As the built-ins: quantize needs TP, TP needs EP, FSDP needs EP and chunk loss.
+    transforms = [_Needs("quantize", 100, ("tensor_parallel",)), _Needs("tensor_parallel", 200, ("expert_parallel",)),
+                  _Needs("expert_parallel", 300), _Needs("chunk_loss", 550),
+                  _Needs("fully_shard", 700, ("expert_parallel", "chunk_loss", "not_enabled"))]
+    order = [t.name for t in planning_order(transforms)]
+    assert order == ["expert_parallel", "tensor_parallel", "quantize", "chunk_loss", "fully_shard"]
+    with pytest.raises(ValueError, match="cycle"):
+        planning_order([_Needs("a", 1, ("b",)), _Needs("b", 2, ("a",))])
+
+
+def test_whether_a_feature_is_on_comes_from_the_features_table():
+    from fsdp_turbo.core.compile import CompileTransform
+    from fsdp_turbo.core.features import FEATURES
+    from fsdp_turbo.core.parallel_state import ParallelState
+    from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
+
+    for transform in [*TransformRegistry().all(), CompileTransform()]:
+        if any(f.transform == transform.name for f in FEATURES):
+            assert type(transform).is_enabled is Transform.is_enabled, transform  # no second rule
+    alone = ParallelState(FSDPTurboConfig().validate(1), 0, "cpu", distributed=False)
+    launched = ParallelState(FSDPTurboConfig().validate(1), 0, "cpu", distributed=True)
+    assert CompileTransform().is_enabled(FSDPTurboConfig(compile=True), alone)
+    assert not CompileTransform().is_enabled(FSDPTurboConfig(), alone)
+    fsdp = next(f for f in FEATURES if f.transform == "fully_shard")
+    assert not fsdp.requested(FSDPTurboConfig(), alone) and fsdp.requested(FSDPTurboConfig(), launched)
+    # A third-party transform has no row, so it must say itself when it is on.
+    with pytest.raises(NotImplementedError, match="override is_enabled"):
+        _Named("third_party", 900).is_enabled(FSDPTurboConfig(), alone)

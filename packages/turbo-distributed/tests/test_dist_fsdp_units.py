@@ -43,3 +43,25 @@ def test_prefetch_plan_neighbours():
     assert plan[2] == ([units[3]], [units[1]])
     assert plan[3] == ([], [units[2]])
     assert all(not a and not b for _, a, b in prefetch_plan(units, 0, 0))
+
+
+def test_the_plan_names_who_prefetches_whom():
+    from fsdp_turbo.core.parallel_state import ParallelState
+    from fsdp_turbo.distributed.fully_shard_parallel import plan_fully_shard
+    from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
+
+    model = tiny_hf_causal_lm("qwen3_moe", num_hidden_layers=3)
+    state = ParallelState(FSDPTurboConfig().validate(4), 0, "cpu", distributed=True)
+    experts = tuple(f"model.layers.{i}.mlp.experts" for i in range(3))
+    settings = FSDPPlanConfig(apply_modules=["model.layers.*", "lm_head"], num_to_forward_prefetch=1,
+                              num_to_backward_prefetch=2)
+    plan = plan_fully_shard(model, settings, state, experts=experts, chunked_head="lm_head")
+    layer = "model.layers.{}".format
+    assert plan.units == (layer(0), layer(1), layer(2), "lm_head") and plan.shards == 4
+    # Forward: the next unit and the experts inside it; backward: the previous two, experts first.
+    assert plan.forward_prefetch == ((layer(0), (layer(1), experts[1])), (layer(1), (layer(2), experts[2])),
+                                     (layer(2), ("lm_head",)))
+    assert plan.backward_prefetch == ((layer(1), (experts[0], layer(0))),
+                                      (layer(2), (experts[1], layer(1), experts[0], layer(0))),
+                                      ("lm_head", (experts[2], layer(2), experts[1], layer(1))),
+                                      ("", (layer(2),)))  # the root skips the chunked-loss head

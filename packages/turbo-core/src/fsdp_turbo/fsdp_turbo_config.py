@@ -3,6 +3,24 @@
 Every field is validated when the object is built; the objects are read-only
 afterwards. World-size checks run in ``FSDPTurboConfig.validate(world_size)``,
 before any collective. Configs load from a dict, a YAML file or a TOML file.
+
+What each ``*_plan`` field is, and what turns its feature on (the one rule for the
+latter lives in ``core.features.FEATURES``):
+
+=====================  =======================  ============================================
+field                  holds                    its feature is on when
+=====================  =======================  ============================================
+fsdp_plan              FSDPPlanConfig           the job is launched (world > 1, or a process
+                                                group exists): settings, never a switch
+tp_plan                TPPlanConfig             tensor_parallel_size > 1
+ep_plan                EPPlanConfig             expert_parallel_size > 1
+cp_plan                CPPlanConfig (or None)   context_parallel_size > 1
+chunk_loss_plan        ChunkLossPlanConfig      chunk_loss=True
+recompute_plan         patterns (or None)       recompute=True; None: the repeated blocks
+swap_activation_plan   patterns (or None)       swap_activation=True; None: the repeated blocks
+compile_plan           patterns (or None)       compile=True; None: the repeated blocks
+quantization_plan      QuantizeConfig (or None) it is given: the plan is the switch
+=====================  =======================  ============================================
 """
 
 from __future__ import annotations

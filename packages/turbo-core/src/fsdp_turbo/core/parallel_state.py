@@ -47,8 +47,8 @@ class ParallelSizes:
         return (self.edp, self.efsdp, self.ep)
 
     @property
-    def dp(self) -> int:
-        """Distinct data shards: replicate x shard."""
+    def dp_replicate_x_fsdp(self) -> int:
+        """Distinct data shards: ``dp_replicate x fsdp`` (``data_parallel_size`` is the first factor only)."""
         return self.dp_replicate * self.fsdp
 
 
@@ -140,7 +140,7 @@ class ParallelState:
     @property
     def dp_size(self) -> int:
         """How many distinct data shards the job feeds (replicate x shard)."""
-        return self.sizes.dp
+        return self.sizes.dp_replicate_x_fsdp
 
     @property
     def dp_rank(self) -> int:

@@ -60,3 +60,74 @@ def feature_package_problems(distribution: str, module: str) -> list[str]:
     for path, names in foreign_imports(source, (*SHARED_ALLOWED, module), device_backends=True).items():
         problems.append(f"{path} imports {names}")
     return problems
+
+
+def module_sources(src_dirs: list[str | Path]) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` under each ``src`` dir (a package's
+    ``__init__`` is named as the package)."""
+    modules = {}
+    for src in map(Path, src_dirs):
+        for path in sorted(src.rglob("*.py")):
+            parts = list(path.relative_to(src).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Which of ``modules`` each one imports, type-checking and function-level imports
+    included. ``from a.b import c`` points at ``a.b.c`` when that is a module, else ``a.b``."""
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                           for alias in node.names]
+            edges.update(t for t in targets if t in modules and t != name)
+        graph[name] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles

@@ -31,7 +31,7 @@ def expert_placement(num_local_experts: int, efsdp: int) -> Callable[[nn.Paramet
 
 def expert_gradient_divide_factor(state: ParallelState) -> float:
     # The dense FSDP mesh spans dp_replicate x fsdp x cp: its mean is the job's mean.
-    return float(state.sizes.dp * state.sizes.cp)
+    return float(state.sizes.dp_replicate_x_fsdp * state.sizes.cp)
 
 
 def shard_experts(experts: Mapping[str, nn.Module], state: ParallelState, **fully_shard_kwargs
@@ -53,8 +53,3 @@ def shard_experts(experts: Mapping[str, nn.Module], state: ParallelState, **full
             module.set_force_sum_reduction_for_comms(True)
     return experts
 
-
-def nested_experts(unit: nn.Module, experts: Mapping[str, nn.Module]) -> list[nn.Module]:
-    """The expert FSDP modules inside ``unit``, so prefetching a layer also fetches its experts."""
-    inside = {id(m) for m in unit.modules()}
-    return [module for module in experts.values() if id(module) in inside]

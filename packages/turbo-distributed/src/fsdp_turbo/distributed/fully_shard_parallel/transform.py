@@ -12,7 +12,7 @@ from fsdp_turbo.core.device import has_streams
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, Stage, Transform
-from fsdp_turbo.distributed.expert_parallel.sharding import nested_experts, shard_experts
+from fsdp_turbo.distributed.expert_parallel.sharding import shard_experts
 from fsdp_turbo.distributed.fully_shard_parallel.units import prefetch_plan, select_units
 from fsdp_turbo.fsdp_turbo_config import FSDPPlanConfig, FSDPTurboConfig
 
@@ -47,16 +47,20 @@ def _inside(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
+Prefetch = tuple[tuple[str, tuple[str, ...]], ...]  # FSDP module -> the modules it prefetches; "" is the root
+
+
 @dataclass(frozen=True)
 class FSDPPlan(FeaturePlan):
     """The FSDP units in model order (the root is wrapped last), the ignored modules, the
-    expert containers to shard first on the expert mesh, and a chunked-loss head unit."""
+    expert containers to shard first on the expert mesh, and who prefetches whom."""
 
     settings: FSDPPlanConfig
     units: tuple[str, ...]
     ignored: tuple[str, ...]
     experts: tuple[str, ...]
-    chunked_head: str | None
+    forward_prefetch: Prefetch
+    backward_prefetch: Prefetch
     shards: int  # fsdp x cp
     expert_shards: int  # efsdp
 
@@ -73,24 +77,37 @@ class FSDPPlan(FeaturePlan):
                 layout.shards = self.shards
 
 
+def _prefetch(units: tuple[str, ...], experts: tuple[str, ...], settings: FSDPPlanConfig,
+              chunked_head: str | None) -> tuple[Prefetch, Prefetch]:
+    def nested(unit: str) -> list[str]:
+        # Prefetching a layer also fetches the experts inside it (their own FSDP units).
+        return [name for name in experts if name.startswith(unit + ".")]
+
+    forward, backward = [], []
+    for index, ahead, behind in prefetch_plan(list(units), settings.num_to_forward_prefetch,
+                                              settings.num_to_backward_prefetch):
+        if ahead:
+            forward.append((units[index], tuple(m for unit in ahead for m in (unit, *nested(unit)))))
+        if behind:
+            backward.append((units[index], tuple(m for unit in behind for m in (*nested(unit), unit))))
+    if chunked_head in units:
+        # A chunked-loss head computes its weight gradient in forward, so backward never needs
+        # its parameters; FSDP's implicit backward prefetch (root -> the unit before it in
+        # post-forward order, the head) would all-gather them for nothing. The root
+        # prefetches the unit before the head instead.
+        before = [unit for unit in units if unit != chunked_head]
+        if before:
+            backward.append(("", (before[-1],)))
+    return tuple(forward), tuple(backward)
+
+
 def plan_fully_shard(model: nn.Module, settings: FSDPPlanConfig, state: ParallelState, *,
                      experts: tuple[str, ...] = (), chunked_head: str | None = None) -> FSDPPlan:
     selection = select_units(model, settings)
-    head_unit = chunked_head if chunked_head in selection.units else None
-    return FSDPPlan(settings, tuple(selection.units), tuple(selection.ignored), experts, head_unit,
+    units = tuple(selection.units)
+    forward, backward = _prefetch(units, experts, settings, chunked_head)
+    return FSDPPlan(settings, units, tuple(selection.ignored), experts, forward, backward,
                     state.fsdp_size * state.cp_size, state.efsdp_size)
-
-
-def _skip_prefetching_a_chunked_head(model: nn.Module, plan: FSDPPlan, units: list[nn.Module]) -> None:
-    # A chunked-loss head computes its weight gradient in forward, so backward never needs
-    # its parameters; FSDP's implicit backward prefetch (root -> the unit before it in
-    # post-forward order, the head) would all-gather them for nothing. Prefetch the unit
-    # before the head instead.
-    if plan.chunked_head is None:
-        return
-    before = [unit for name, unit in zip(plan.units, units, strict=True) if name != plan.chunked_head]
-    if before:
-        model.set_modules_to_backward_prefetch([before[-1]])
 
 
 class FullyShardTransform(Transform):
@@ -129,16 +146,10 @@ class FullyShardTransform(Transform):
             fully_shard(unit, **unit_kwargs, mesh=options["mesh"], ignored_params=ignored)
         fully_shard(model, mp_policy=mixed_precision_policy(settings, root=True),
                     reshard_after_forward=reshard_after_forward(settings, root=True), **options)
-        for index, ahead, behind in prefetch_plan(units, settings.num_to_forward_prefetch,
-                                                  settings.num_to_backward_prefetch):
-            # Prefetching a layer also fetches the experts inside it (their own FSDP units).
-            if ahead:
-                units[index].set_modules_to_forward_prefetch(
-                    [m for unit in ahead for m in (unit, *nested_experts(unit, experts))])
-            if behind:
-                units[index].set_modules_to_backward_prefetch(
-                    [m for unit in behind for m in (*nested_experts(unit, experts), unit)])
-        _skip_prefetching_a_chunked_head(model, plan, units)
+        for name, targets in plan.forward_prefetch:
+            model.get_submodule(name).set_modules_to_forward_prefetch([model.get_submodule(t) for t in targets])
+        for name, targets in plan.backward_prefetch:
+            model.get_submodule(name).set_modules_to_backward_prefetch([model.get_submodule(t) for t in targets])
         _log.info(f"fully_shard: {len(units)} units + root over mesh {options['mesh'].mesh.tolist()}"
                   + (f"; {len(experts)} expert units over {parallel_state.sizes.expert_shape}" if experts else ""))
         return model

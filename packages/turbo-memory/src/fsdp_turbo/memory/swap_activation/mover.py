@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -16,7 +16,14 @@ from fsdp_turbo.core.device import current_device, new_stream, pinned_empty, str
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from fsdp_turbo.memory.swap_activation.group import Entry
+
+class Entry(Protocol):
+    """One saved tensor as the mover sees it (``group.Entry``)."""
+
+    device: torch.Tensor | None
+    host: torch.Tensor | None
+    dense: bool  # keeps its strides through the host copy
+    nbytes: int
 
 
 @dataclass

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Hashable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from fsdp_turbo.memory.swap_optimizer.swapper import OptimizerStateSwapper
+
+class Toucher(Protocol):
+    """What the map tells of each lookup (the ``Toucher``)."""
+
+    def touch(self, key: Hashable) -> None: ...
 
 
 class SwapStateMap(defaultdict):
@@ -23,10 +26,10 @@ class SwapStateMap(defaultdict):
     ``copy.deepcopy(optimizer.state)`` is an ordinary mapping of host values.
     """
 
-    _swapper: OptimizerStateSwapper | None = None
+    _swapper: Toucher | None = None
 
     @classmethod
-    def wrap(cls, state: Mapping, swapper: OptimizerStateSwapper) -> SwapStateMap:
+    def wrap(cls, state: Mapping, swapper: Toucher) -> SwapStateMap:
         wrapped = cls(getattr(state, "default_factory", None) or dict, state)
         wrapped._swapper = swapper
         return wrapped
