@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_turbo.core.blueprint import guard_meta_model, has_meta_tensors, record_blueprint
 from fsdp_turbo.core.device import backend_for, current_device, detect_device_type
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.features import Feature, requested_features
@@ -120,6 +121,7 @@ def FSDPTurbo(config: FSDPTurboConfig | Mapping[str, Any] | str | Path, model: M
     sizes = config.validate(world_size)
     state = ParallelState.create(sizes, rank, detect_device_type(config.device_type))
     planned = plan_transforms(config, model, state)
+    record_blueprint(model)
     _ensure_process_group(state)
     for transform, plan in planned:
         _log.info(f"applying {transform.name}")
@@ -127,5 +129,7 @@ def FSDPTurbo(config: FSDPTurboConfig | Mapping[str, Any] | str | Path, model: M
     model.parallel_state = state
     model.fsdp_turbo_config = config
     model.fsdp_turbo_plans = MappingProxyType({transform.name: plan for transform, plan in planned})
+    if has_meta_tensors(model):
+        guard_meta_model(model)  # until load_pretrained or init_weights gives it weights
     _log.info(f"FSDPTurbo ready: {state.describe()}; transforms={[t.name for t, _ in planned]}")
     return model

@@ -27,3 +27,16 @@ class ConfigError(ValueError):
 
 def _rebuild_config_error(field: str, value: Any, fix: str, reason: str | None) -> ConfigError:
     return ConfigError(field, value, fix, reason=reason)
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that does not fit the model: missing, unexpected or misshapen tensors,
+    a missing or truncated file, or a directory that is not a model. Found on every rank,
+    before any collective; the field is the tensor, file or path at fault."""
+
+    def __reduce__(self):
+        return (_rebuild_checkpoint_error, (self.field, self.value, self.fix, self.reason))
+
+
+def _rebuild_checkpoint_error(field: str, value: Any, fix: str, reason: str | None) -> CheckpointError:
+    return CheckpointError(field, value, fix, reason=reason)

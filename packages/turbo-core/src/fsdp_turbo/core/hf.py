@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -35,3 +36,71 @@ def eager_attention_function(module: nn.Module) -> Callable[..., Any]:
     if found is None:  # a modeling file without one: the reference eager attention
         from transformers.models.llama.modeling_llama import eager_attention_forward as found
     return found
+
+
+# ----- checkpoints: the layout transformers' own save_pretrained writes ---------------------------
+def saved_state(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` less what transformers' ``save_pretrained`` leaves out: the model's
+    ``_keys_to_ignore_on_save`` and the second name of each tied weight."""
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = {k: v for k, v in state.items() if k not in set(getattr(model, "_keys_to_ignore_on_save", None) or ())}
+    return remove_tied_weights_from_state_dict(state, model)
+
+
+def to_checkpoint_layout(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """The model's tensors under the names and shapes its checkpoints use (transformers'
+    ``revert_weight_conversion``: e.g. fused MoE experts back to one tensor per expert)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, dict(state))
+
+
+def split_into_files(tensors: dict[str, Any], max_shard_size: int | str) -> Any:
+    """``huggingface_hub``'s split of a state dict into ``model-0000i-of-0000N.safetensors``
+    files of at most ``max_shard_size`` (as transformers' ``save_pretrained`` names them)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    return split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
+                                              max_shard_size=max_shard_size)
+
+
+@dataclass(frozen=True)
+class SaveConversion:
+    """How transformers turns one model tensor into checkpoint tensors when saving."""
+
+    operations: tuple[Any, ...]  # transformers ConversionOps, applied in order
+    target_patterns: tuple[str, ...]  # checkpoint names, '*' standing for a list index
+    layer_name: str  # the model key with its matched part replaced by the first target pattern
+
+
+def save_conversion(model: nn.Module, key: str) -> SaveConversion | None:
+    """The converter transformers applies to ``key`` on save, or None (a rename at most)."""
+    from transformers.core_model_loading import WeightConverter, apply_converters
+
+    converters = [c.reverse_transform() for c in _conversions(model)[::-1]]
+    converters = [c for c in converters if isinstance(c, WeightConverter)]
+    renamed, pattern = apply_converters(key, converters)
+    if pattern is None:
+        return None
+    converter = next(c for c in converters if pattern in c.source_patterns)
+    return SaveConversion(tuple(converter.operations), tuple(converter.target_patterns), renamed)
+
+
+def checkpoint_name(model: nn.Module, name: str) -> str:
+    """A name produced by a save conversion, after transformers' renamings (e.g. Mixtral's
+    ``mlp`` back to ``block_sparse_moe``)."""
+    from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+    renamings = [c.reverse_transform() for c in _conversions(model)[::-1]]
+    return apply_renamings(name, [r for r in renamings if isinstance(r, WeightRenaming)])
+
+
+def _conversions(model: nn.Module) -> list[Any]:
+    # As revert_weight_conversion builds them for a model made from scratch.
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
+    except ImportError:  # transformers 4: checkpoints and models share one layout
+        return []
+    return [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]

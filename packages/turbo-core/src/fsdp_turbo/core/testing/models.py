@@ -36,10 +36,11 @@ TINY_DEEPSEEK_V3_DEFAULTS: dict[str, Any] = {
 
 
 def tiny_hf_causal_lm(kind: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                      **overrides: Any) -> nn.Module:
+                      device: str | torch.device | None = None, **overrides: Any) -> nn.Module:
     """A tiny ``LlamaForCausalLM``, ``Qwen3ForCausalLM``, or MoE model with 8 experts, top-2:
     ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` or
-    ``DeepseekV3ForCausalLM``; the same seed gives the same weights."""
+    ``DeepseekV3ForCausalLM``; the same seed gives the same weights. ``device="meta"``
+    builds it with no storage (for ``fsdp_turbo.checkpoint``)."""
     import transformers
 
     classes = {
@@ -54,5 +55,8 @@ def tiny_hf_causal_lm(kind: str = "llama", *, seed: int = 0, dtype: torch.dtype 
         raise ValueError(f"unknown tiny model {kind!r}; use one of {sorted(classes)}")
     config_cls, model_cls, extra = classes[kind]
     config = config_cls(**{**TINY_DEFAULTS, **extra, **overrides})
+    if device is not None and torch.device(device).type == "meta":
+        with torch.device("meta"):
+            return model_cls(config).to(dtype)
     seed_everything(seed)
     return model_cls(config).to(dtype)

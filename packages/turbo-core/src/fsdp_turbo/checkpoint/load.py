@@ -1,0 +1,148 @@
+"""``load_pretrained``: a Hugging Face checkpoint into a (sharded, meta-built) model, each
+rank reading only the slices of the tensors it holds."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fsdp_turbo.checkpoint.files import CheckpointFiles
+from fsdp_turbo.checkpoint.init import non_persistent_buffers, set_by_module
+from fsdp_turbo.checkpoint.layout import Layout, Piece, checkpoint_layout
+from fsdp_turbo.checkpoint.materialize import allocate, every_rank_or_none, target_device
+from fsdp_turbo.checkpoint.shards import local_box, local_tensors, overlap
+from fsdp_turbo.core.blueprint import blueprint as blueprint_of
+from fsdp_turbo.core.errors import CheckpointError
+from fsdp_turbo.core.logging import get_logger
+
+_log = get_logger(__name__)
+# Mapped file pages count as this process's memory until the file is closed: close the
+# files after this many bytes have been read, so the peak stays near this rank's share.
+RELEASE_EVERY = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What ``load_pretrained`` did on this rank."""
+
+    read_bytes: int  # checkpoint bytes this rank read
+    checkpoint_bytes: int  # the checkpoint's size on disk
+    missing: tuple[str, ...]  # model tensors not in the checkpoint (strict=False): initialised instead
+    unexpected: tuple[str, ...]  # checkpoint tensors the model has no place for (strict=False): ignored
+
+
+def _ignored(model: nn.Module, attribute: str) -> list[re.Pattern]:
+    # transformers' own lists of checkpoint keys a model tolerates missing or extra.
+    return [re.compile(p) for p in getattr(model, attribute, None) or ()]
+
+
+def _compare(layout: Layout, files: CheckpointFiles, model: nn.Module, strict: bool
+             ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Missing and unexpected checkpoint tensors; raises on a shape mismatch, and with
+    ``strict`` on either list. The same on every rank: it reads only headers."""
+    expected = layout.checkpoint_shapes
+    skip_missing, skip_unexpected = (_ignored(model, "_keys_to_ignore_on_load_missing"),
+                                     _ignored(model, "_keys_to_ignore_on_load_unexpected"))
+    missing = tuple(k for k in expected if k not in files.shapes and not any(p.search(k) for p in skip_missing))
+    unexpected = tuple(k for k in files.shapes
+                       if k not in expected and not any(p.search(k) for p in skip_unexpected))
+    misshapen = [f"{k}: checkpoint {files.shapes[k]}, model {shape}" for k, shape in expected.items()
+                 if k in files.shapes and tuple(files.shapes[k]) != shape]
+    if misshapen:
+        raise CheckpointError(misshapen[0].split(":")[0], misshapen[:8], "load a checkpoint of this model's config",
+                              reason=f"{len(misshapen)} tensor(s) have another shape than the model's")
+    if strict and (missing or unexpected):
+        what = (f"{len(missing)} missing ({list(missing[:8])})" if missing else "") + (
+            "; " if missing and unexpected else "") + (
+            f"{len(unexpected)} unexpected ({list(unexpected[:8])})" if unexpected else "")
+        raise CheckpointError("checkpoint", str(files.directory),
+                              "load a checkpoint of this model, or pass strict=False to initialise what is missing "
+                              "and ignore what is extra", reason=f"tensors do not match the model: {what}")
+    return missing, unexpected
+
+
+def _read_piece(files: CheckpointFiles, piece: Piece, box) -> int:
+    """Copy the part of ``piece`` inside this rank's ``box`` (a LocalBox); returns bytes read."""
+    met = overlap(piece.start, piece.size, box.start, box.size)
+    if met is None:
+        return 0
+    start, size = met
+    source = tuple(slice(start[d] - piece.start[d], start[d] - piece.start[d] + size[d]) for d in piece.kept)
+    data = files.read(piece.key, source)
+    target = box.tensor[tuple(slice(s - b, s - b + n) for s, n, b in zip(start, size, box.start, strict=True))]
+    with torch.no_grad():
+        target.copy_(data.reshape(target.shape))
+    return data.numel() * data.element_size()
+
+
+def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> LoadReport:
+    """Load the Hugging Face checkpoint at ``path`` into ``model``. A collective: call it on
+    every rank.
+
+    ``model`` may come straight from the meta device through ``FSDPTurbo``: it is
+    materialised here (``to_empty``), then each rank reads, with safetensors' ``get_slice``,
+    only the slices of its own shards. Checkpoints in transformers' layout load (per-expert
+    MoE tensors become the fused ones), and so do checkpoints in the model's own layout.
+    Values are converted to the model's dtypes; tied weights are read once; non-persistent
+    buffers (rotary frequencies) are rebuilt by the model's own initialisation.
+
+    A missing, unexpected or misshapen tensor, a missing or truncated file, or a directory
+    that is not a model raises ``CheckpointError`` on every rank, before anything is read.
+    With ``strict=False`` missing tensors are initialised as ``init_weights`` would and
+    unexpected ones ignored, each named in one warning.
+    """
+    files = CheckpointFiles.open(path)
+    blueprint = blueprint_of(model)
+    layout = _own_layout(checkpoint_layout(blueprint), files)
+    missing, unexpected = _compare(layout, files, model, strict)
+    allocate(model, blueprint)
+    local = local_tensors(model)
+    read = 0
+    with every_rank_or_none("load_pretrained", target_device(model)):
+        since_release = 0
+        absent = set(missing)
+        for model_key, pieces in layout.pieces.items():
+            if model_key not in local:
+                continue  # another rank's experts
+            box = local_box(local[model_key])
+            for piece in pieces:
+                if piece.key in absent:
+                    continue
+                done = _read_piece(files, piece, box)
+                read, since_release = read + done, since_release + done
+                if since_release > RELEASE_EVERY:
+                    files.release()
+                    since_release = 0
+        files.release()
+        rebuild = non_persistent_buffers(blueprint) | {k for k, pieces in layout.pieces.items()
+                                                        if any(p.key in absent for p in pieces)}
+        set_by_module(model, blueprint, local, rebuild, seed=0)
+    if missing or unexpected:
+        _log.warning(f"load_pretrained (strict=False): initialised {len(missing)} missing tensor(s) "
+                     f"{list(missing[:8])}, ignored {len(unexpected)} unexpected {list(unexpected[:8])}")
+    return LoadReport(read, files.nbytes, missing, unexpected)
+
+
+def _own_layout(layout: Layout, files: CheckpointFiles) -> Layout:
+    """A checkpoint already in the model's own layout (fused experts under the model's
+    names, as older exports wrote) is read as it stands."""
+    expected = layout.checkpoint_shapes
+    if set(expected) <= set(files.shapes):
+        return layout
+    own = {key: (Piece(key, (0,) * len(pieces_shape), pieces_shape, tuple(range(len(pieces_shape)))),)
+           for key, pieces_shape in _model_shapes(layout).items()}
+    if set(own) <= set(files.shapes):
+        return Layout(own, layout.tied)
+    return layout
+
+
+def _model_shapes(layout: Layout) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for key, pieces in layout.pieces.items():
+        ends = [tuple(s + n for s, n in zip(p.start, p.size, strict=True)) for p in pieces]
+        shapes[key] = tuple(max(end[d] for end in ends) for d in range(len(ends[0])))
+    return shapes

@@ -1,0 +1,97 @@
+"""Giving a meta-built model its storage, and the model's own initialisation of one module.
+
+``torch.nn.Module.to_empty`` allocates every parameter and buffer where it lives: this
+rank's shard of a sharded DTensor, this rank's experts. Values come afterwards, from a
+checkpoint or from ``init_weights``. Its new tensors break ties between parameters, so
+the tied names of the blueprint are tied again.
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_turbo.core.blueprint import has_meta_tensors, release_meta_guard
+from fsdp_turbo.core.device import current_device
+from fsdp_turbo.core.errors import CheckpointError
+
+
+def target_device(model: nn.Module) -> torch.device:
+    """Where the model's tensors belong: the job's device, or the host under CPU offload."""
+    state = getattr(model, "parallel_state", None)
+    config = getattr(model, "fsdp_turbo_config", None)
+    if state is None or (config is not None and config.fsdp_plan.cpu_offload):
+        return torch.device("cpu")
+    return current_device(state.device_type)
+
+
+def _tied_names(blueprint: nn.Module) -> list[list[tuple[str, str]]]:
+    owners: dict[int, list[tuple[str, str]]] = defaultdict(list)
+    for module_name, module in blueprint.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False):
+            if (module_name, name) not in owners[id(param)]:
+                owners[id(param)].append((module_name, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def allocate(model: nn.Module, blueprint: nn.Module) -> None:
+    """Allocate the meta tensors of ``model`` (values undefined) and re-tie tied parameters."""
+    if has_meta_tensors(model):
+        model.to_empty(device=target_device(model))
+        for (first_module, first), *others in _tied_names(blueprint):
+            shared = getattr(model.get_submodule(first_module), first)
+            for module_name, name in others:
+                module = model.get_submodule(module_name)
+                if getattr(module, name) is not shared:
+                    setattr(module, name, shared)
+    release_meta_guard(model)
+
+
+def module_seed(seed: int, name: str) -> int:
+    """Each module's own seed: its values do not depend on which other modules a rank builds."""
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
+def initialized_copy(blueprint: nn.Module, name: str, module: nn.Module, seed: int) -> nn.Module:
+    """A copy of ``module`` (a blueprint module) with its own parameters and buffers allocated
+    on the host, whole, and set by the model's own scheme: HF's ``_init_weights`` (norms at
+    one, ``initializer_range``, rotary frequencies), else ``reset_parameters()``."""
+    fresh = copy.deepcopy(module).to_empty(device="cpu", recurse=False)
+    init = getattr(blueprint, "_init_weights", None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(module_seed(seed, name))
+        if callable(init):
+            with torch.no_grad():
+                init(fresh)
+        elif callable(getattr(fresh, "reset_parameters", None)):
+            fresh.reset_parameters()
+        elif any(True for _ in fresh.parameters(recurse=False)) or any(True for _ in fresh.buffers(recurse=False)):
+            raise CheckpointError(name or type(module).__name__, type(module).__name__,
+                                  "give the module a reset_parameters(), or load a checkpoint",
+                                  reason="the model has no _init_weights and the module no reset_parameters")
+    return fresh
+
+
+@contextmanager
+def every_rank_or_none(what: str, device: torch.device):
+    """Run a rank's part of a collective step; if any rank fails, every rank raises (the
+    failing one its own error), so no rank walks on into a collective the others never reach."""
+    failure: BaseException | None = None
+    try:
+        yield
+    except BaseException as error:  # re-raised below, after the other ranks have heard of it
+        failure = error
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([0 if failure is None else 1 + dist.get_rank()], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if failure is None and flag.item():
+            raise CheckpointError(what, f"rank {int(flag.item()) - 1}", "read that rank's error above",
+                                  reason="another rank failed, so every rank stops")
+    if failure is not None:
+        raise failure

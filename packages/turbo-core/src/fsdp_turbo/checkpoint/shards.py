@@ -1,0 +1,48 @@
+"""This rank's part of each model tensor, as a box of the global tensor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fsdp_turbo.core.model_inspect import is_dtensor, local_tensor
+
+
+@dataclass(frozen=True)
+class LocalBox:
+    """``tensor`` is the global tensor's box ``start:start + size`` (all of it when not a DTensor)."""
+
+    tensor: torch.Tensor
+    start: tuple[int, ...]
+    size: tuple[int, ...]
+
+
+def local_box(value: torch.Tensor) -> LocalBox:
+    if not is_dtensor(value):
+        return LocalBox(value.detach(), (0,) * value.dim(), tuple(value.shape))
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    size, start = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    local = local_tensor(value, differentiable=False)
+    if tuple(local.shape) != tuple(size):
+        raise RuntimeError(f"a DTensor's local shard is {tuple(local.shape)}, but its placements say {tuple(size)}")
+    return LocalBox(local, tuple(start), tuple(size))
+
+
+def local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer this rank holds, persistent or not, by qualified name."""
+    found = dict(model.named_parameters(remove_duplicate=False))
+    found.update(model.named_buffers(remove_duplicate=False))
+    return found
+
+
+def overlap(a_start: tuple[int, ...], a_size: tuple[int, ...], b_start: tuple[int, ...], b_size: tuple[int, ...]
+            ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The intersection of two boxes (start, size), or None when they do not meet."""
+    start = tuple(max(a, b) for a, b in zip(a_start, b_start, strict=True))
+    end = tuple(min(a + n, b + m) for a, n, b, m in zip(a_start, a_size, b_start, b_size, strict=True))
+    if any(e <= s for s, e in zip(start, end, strict=True)):
+        return None
+    return start, tuple(e - s for s, e in zip(start, end, strict=True))
