@@ -6,7 +6,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from fsdp_turbo.cli.job_config import JobConfig
-from fsdp_turbo.cli.model import build_model
+from fsdp_turbo.cli.model import build_model, fill_weights
 from fsdp_turbo.cli.optim import build_optimizer
 
 
@@ -15,7 +15,8 @@ def measured_model_state(job_dict: dict) -> int:
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
     job = JobConfig.from_dict(job_dict)
-    model = FSDPTurbo(job.turbo, build_model(job.model, job.run.seed))
+    model = FSDPTurbo(job.turbo, build_model(job.model))
+    fill_weights(model, job.model, job.run.seed)
     optimizer = build_optimizer(model.parameters(), job.optimizer)
     tracker = MemTracker()
     tracker.track_external(model, optimizer)

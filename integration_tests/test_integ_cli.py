@@ -88,9 +88,33 @@ def test_train_writes_metrics_plot_checkpoints_and_an_hf_model(reference):
     assert steps == [2, 4, 6]  # keep=3
     model = AutoModelForCausalLM.from_pretrained(reference / "final")
     exported = weights(reference)
-    for name, param in model.state_dict().items():
-        assert torch.equal(param, exported[name]), name
-    assert exported["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 32)  # all experts gathered
+    # transformers' own layout, every expert gathered: one tensor per expert and projection
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in exported
+    assert exported["model.layers.0.mlp.experts.3.gate_proj.weight"].shape == (32, 32)
+    experts = model.model.layers[0].mlp.experts.gate_up_proj
+    assert torch.equal(experts[3, 32:], exported["model.layers.0.mlp.experts.3.up_proj.weight"])
+    assert torch.equal(model.lm_head.weight, exported["lm_head.weight"])
+
+
+def test_a_job_from_a_checkpoint_trains_as_the_job_from_its_config(job_file, reference, tmp_path):
+    """``model_name_or_path`` (meta build + load_pretrained) of the very weights ``init_weights``
+    gives the config-built job: the same run to the last bit."""
+    from fsdp_turbo.checkpoint import init_weights
+    from fsdp_turbo.cli.job_config import JobConfig
+    from fsdp_turbo.cli.model import build_model
+
+    start = init_weights(build_model(JobConfig.from_dict(JOB).model), seed=JOB["run"]["seed"])
+    start.save_pretrained(tmp_path / "start")  # transformers' own save, in the checkpoint layout
+    path_job = tmp_path / "path_job.yaml"
+    path_job.write_text(yaml.safe_dump({**JOB, "model": {"model_name_or_path": str(tmp_path / "start")}}))
+    plan = fsdp_turbo("plan", path_job, "--world-size", 2).stdout
+    assert "each rank reads about" in plan
+    result = train(path_job, tmp_path / "out")
+    assert "this rank read" in result.stderr
+    timing = ("tokens_per_s", "tflops_per_rank", "peak_memory_mib")
+    assert metrics(tmp_path / "out") == [{**row, **{k: r[k] for k in timing}} for row, r in
+                                          zip(metrics(reference), metrics(tmp_path / "out"), strict=True)]
+    assert_same_weights(weights(tmp_path / "out"), weights(reference))
 
 
 def test_resume_after_a_clean_stop_continues_exactly(job_file, reference, tmp_path):

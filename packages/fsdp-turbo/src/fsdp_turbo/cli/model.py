@@ -1,13 +1,11 @@
-"""Building the job's model and exporting it back to the Hugging Face format."""
+"""The job's model: built on the meta device, then given weights once FSDPTurbo has sharded it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from fsdp_turbo.checkpoint import LoadReport, init_weights, load_pretrained
 from fsdp_turbo.cli.job_config import ModelSection
 from fsdp_turbo.core.dtypes import parse_dtype
 
@@ -21,40 +19,18 @@ def hf_config(section: ModelSection):
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-def build_model(section: ModelSection, seed: int, device: str | torch.device = "cpu") -> nn.Module:
-    """Random init from the config dict (seeded: every rank builds the same weights), or a
-    local checkpoint (safetensors only)."""
+def build_model(section: ModelSection) -> nn.Module:
+    """The model on the meta device: its structure, no storage. No rank ever holds it whole."""
     from transformers import AutoModelForCausalLM
 
-    dtype = parse_dtype(section.dtype, "model.dtype")
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config(section), dtype=parse_dtype(section.dtype, "model.dtype"))
+
+
+def fill_weights(model: nn.Module, section: ModelSection, seed: int) -> LoadReport | None:
+    """The checkpoint at ``model_name_or_path`` (each rank reads its slices), or, for a model
+    given by its config, ``init_weights`` (the same weights at every layout). A collective."""
     if section.model_name_or_path is not None:
-        return AutoModelForCausalLM.from_pretrained(section.model_name_or_path, dtype=dtype, use_safetensors=True)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(hf_config(section), dtype=dtype)
-
-
-def export_hf(model: nn.Module, section: ModelSection, directory: str | Path) -> Path | None:
-    """Gather the full weights (a collective: every rank calls it) and write ``config.json``
-    plus ``model.safetensors`` on rank 0, loadable by ``AutoModelForCausalLM.from_pretrained``."""
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    # The job's own config, not the live one (features may have changed its attention name).
-    config = hf_config(section)
-    config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-    config.save_pretrained(directory)
-    tensors, seen = {}, {}
-    for name, tensor in state.items():
-        tensor = tensor.detach().contiguous()
-        if tensor.data_ptr() in seen and config.tie_word_embeddings:
-            continue  # a tied weight is stored once, as HF does
-        seen[tensor.data_ptr()] = name
-        tensors[name] = tensor.clone()
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return directory
+        return load_pretrained(model, section.model_name_or_path)
+    init_weights(model, seed=seed)
+    return None

@@ -51,7 +51,7 @@ def make_plan(job: JobConfig, world_size: int | None = None) -> tuple[list[str],
     """The plan's lines and memory estimate. Raises ``ConfigError`` as ``train`` would."""
     world = world_size or default_world_size(job)
     sizes = job.turbo.validate(world)
-    model = build_model(job.model, job.run.seed, device="meta")
+    model = build_model(job.model)
     # train runs every job under torchrun, so this plans for a launched job (FSDP is on
     # even at world size 1); planning communicates nothing and builds no mesh.
     state = ParallelState(sizes, rank=0, device_type=detect_device_type(job.turbo.device_type), distributed=True)
@@ -60,6 +60,7 @@ def make_plan(job: JobConfig, world_size: int | None = None) -> tuple[list[str],
     for _, plan in planned:
         plan.estimate(model_memory)
     memory = model_memory.totals()
+    weights = _weights_line(job, model_memory)
     lines = [f"FSDPTurbo plan: {type(model).__name__}, "
              f"{sum(p.numel() for p in model.parameters()):,} parameters, world size {world}",
              f"mesh: {state.describe()}",
@@ -69,6 +70,7 @@ def make_plan(job: JobConfig, world_size: int | None = None) -> tuple[list[str],
         coords = ParallelState(sizes, rank=rank, device_type=state.device_type, distributed=True).coordinates
         lines.append(f"        {rank:4d}  {coords['dp_replicate']:12d}  {coords['fsdp']:4d}  {coords['cp']:2d}  "
                      f"{coords['tp']:2d}  |  {coords['edp']:3d}  {coords['efsdp']:5d}  {coords['ep']:2d}")
+    lines.append(weights)
     lines.append("patterns:")
     for _, plan in planned:
         for row in plan.describe():
@@ -84,6 +86,23 @@ def make_plan(job: JobConfig, world_size: int | None = None) -> tuple[list[str],
         f"({job.run.micro_batch} x {job.data.seq_len} tokens)",
     ]
     return lines, memory
+
+
+def _weights_line(job: JobConfig, memory: MemoryModel) -> str:
+    """Where the weights come from and, for a checkpoint, what one rank reads of it."""
+    path = job.model.model_name_or_path
+    if path is None:
+        return f"weights: init_weights(seed={job.run.seed}), the same at every layout"
+    from fsdp_turbo.checkpoint.files import CheckpointFiles
+
+    files = CheckpointFiles.open(path)
+    itemsize = max(_ITEMSIZE.get(dtype, 4) for dtype in files.dtypes.values())
+    read = sum(layout.numel() for layout in memory.params.values()) * itemsize
+    return (f"weights: {path} ({len(set(files.files.values()))} files, {files.nbytes / MIB:,.2f} MiB); "
+            f"each rank reads about {read / MIB:,.2f} MiB ({read / max(files.nbytes, 1):.0%})")
+
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def print_plan(job: JobConfig, world_size: int | None = None) -> None:

@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fsdp_turbo.checkpoint import materialize, save_pretrained
 from fsdp_turbo.cli.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from fsdp_turbo.cli.data import PackedWindows, byte_tokens, resolve_files
 from fsdp_turbo.cli.job_config import JobConfig
 from fsdp_turbo.cli.metrics import MetricsLog, peak_tflops, plot_loss, progress_bar
-from fsdp_turbo.cli.model import build_model, export_hf
+from fsdp_turbo.cli.model import build_model, fill_weights
 from fsdp_turbo.cli.optim import build_optimizer, build_scheduler, clip_grad_norm
 from fsdp_turbo.core.device import current_device, device_name, peak_memory_bytes
 from fsdp_turbo.core.logging import get_logger
@@ -60,17 +61,24 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
     run, output = job.run, Path(job.output_dir)
-    model = build_model(job.model, run.seed)
+    model = build_model(job.model)  # on the meta device
     flops_per_token = _flops_per_token(model, job.data.seq_len)
     model = FSDPTurbo(job.turbo, model)
     state = model.parallel_state
     rank0 = state.rank == 0
+    checkpoint = resolve_resume(resume, output)
+    if checkpoint is None:
+        report = fill_weights(model, job.model, run.seed)
+        if report is not None:
+            _log.info(f"loaded {job.model.model_name_or_path}: this rank read {report.read_bytes / 2**20:,.1f} MiB "
+                      f"of {report.checkpoint_bytes / 2**20:,.1f} MiB")
+    else:
+        materialize(model)  # the values come from the checkpoint below
     params = list(model.parameters())
     optimizer = build_optimizer(params, job.optimizer)
     scheduler = build_scheduler(optimizer, job.optimizer, run.steps)
     loader = PackedWindows(byte_tokens(resolve_files(job.data.files), job.data.max_bytes), job.data.seq_len, run.seed)
     start = 0
-    checkpoint = resolve_resume(resume, output)
     if checkpoint is not None:
         meta = load_checkpoint(checkpoint, model, optimizer)
         scheduler.load_state_dict(meta["scheduler"])
@@ -118,7 +126,7 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
             save_checkpoint(output, step, model, optimizer, extra, job.checkpoint.keep)
     bar.close()
     if last == run.steps:
-        export_hf(model, job.model, output / "final")
+        save_pretrained(model, output / "final")
         if rank0:
             plot_loss(output)
     return {"last_step": last, "resumed_from": start}
