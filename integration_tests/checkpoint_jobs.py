@@ -114,3 +114,23 @@ def save_reference(kind: str, directory: Path, *, seed: int = 1, max_shard_size:
     model.save_pretrained(directory, max_shard_size=max_shard_size)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, {
         f"buffer:{k}": v.detach().clone() for k, v in model.named_buffers()}
+
+
+def init_peak_memory(kind: str, layout: str, model_kwargs: dict) -> dict:
+    """MemTracker's peak during init_weights, against this rank's share and the largest module."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from fsdp_turbo.core.blueprint import blueprint
+
+    model = FSDPTurbo(LAYOUTS[layout], tiny_hf_causal_lm(kind, device="meta", **model_kwargs))
+    tracker = MemTracker()
+    with tracker:
+        init_weights(model, seed=0)
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in (*model.parameters(), *model.buffers())]
+    share = sum(t.numel() * t.element_size() for t in local)
+    modules = blueprint(model).modules()
+    largest_module = max(sum(t.numel() * t.element_size() for t in (*m.parameters(recurse=False),
+                                                                      *m.buffers(recurse=False))) for m in modules)
+    largest_param = max(p.numel() * p.element_size() for p in blueprint(model).parameters())
+    return {"peak": peak, "share": share, "largest_module": largest_module, "largest_param": largest_param}

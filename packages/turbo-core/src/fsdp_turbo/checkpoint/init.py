@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fsdp_turbo.checkpoint.materialize import allocate, every_rank_or_none, initialized_copy, target_device
+from fsdp_turbo.checkpoint.materialize import allocate, every_rank_or_none, initialized_tensor, target_device
 from fsdp_turbo.checkpoint.shards import local_box, local_tensors
 from fsdp_turbo.core.blueprint import blueprint as blueprint_of
 
@@ -14,25 +14,21 @@ from fsdp_turbo.core.blueprint import blueprint as blueprint_of
 def set_by_module(model: nn.Module, blueprint: nn.Module, local: dict[str, torch.Tensor], names: set[str] | None,
                   seed: int) -> None:
     """Set each of ``names`` (None: every tensor) that this rank holds, as the model's own
-    initialisation sets it, one blueprint module at a time: the module is made whole on the
-    host, initialised under its own seed, and this rank's box of each tensor is copied out.
-    A tensor shared by several modules (tied) is set once, by the first."""
+    initialisation sets it: the tensor is made whole on the host under its own seed, and
+    this rank's box of it is copied in. A tensor shared by several modules (tied) is set
+    once, by the first."""
     done: set[int] = set()
     for module_name, module in blueprint.named_modules():
         prefix = f"{module_name}." if module_name else ""
-        own = [(n, t) for n, t in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
-               if id(t) not in done and (names is None or prefix + n in names)]
-        held = [(n, t) for n, t in own if prefix + n in local]
-        if not held:
-            continue
-        fresh = initialized_copy(blueprint, module_name, module, seed)
-        values = dict((*fresh.named_parameters(recurse=False), *fresh.named_buffers(recurse=False)))
-        for name, original in held:
+        for name, original in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)):
+            if id(original) in done or prefix + name not in local or (names is not None and prefix + name not in names):
+                continue
             done.add(id(original))
+            whole = initialized_tensor(blueprint, module_name, module, name, seed)
             box = local_box(local[prefix + name])
-            whole = values[name].detach()
             with torch.no_grad():
                 box.tensor.copy_(whole[tuple(slice(s, s + n) for s, n in zip(box.start, box.size, strict=True))])
+            del whole
 
 
 def init_weights(model: nn.Module, seed: int = 0) -> nn.Module:
@@ -40,10 +36,10 @@ def init_weights(model: nn.Module, seed: int = 0) -> nn.Module:
     scheme: HF's ``_init_weights`` (``initializer_range``, norms at one, rotary
     frequencies), else each module's ``reset_parameters()``.
 
-    Every module draws from its own seed (``seed`` and its name), so the full weights are the
+    Every tensor draws from its own seed (``seed`` and its name), so the full weights are the
     same at every layout, and equal to a one-process model initialised here. A rank builds
-    one module at a time whole on the host, keeps its own shard and drops the rest: its peak
-    is its share plus one module's tensors. A collective: call it on every rank.
+    one tensor at a time whole on the host, keeps its own shard and drops the rest: its peak
+    is its share plus the largest tensor. A collective: call it on every rank.
     """
     blueprint = blueprint_of(model)
     allocate(model, blueprint)

@@ -53,29 +53,37 @@ def allocate(model: nn.Module, blueprint: nn.Module) -> None:
     release_meta_guard(model)
 
 
-def module_seed(seed: int, name: str) -> int:
-    """Each module's own seed: its values do not depend on which other modules a rank builds."""
+def tensor_seed(seed: int, name: str) -> int:
+    """Each tensor's own seed: its values do not depend on which other tensors a rank builds."""
     return zlib.crc32(f"{seed}:{name}".encode())
 
 
-def initialized_copy(blueprint: nn.Module, name: str, module: nn.Module, seed: int) -> nn.Module:
-    """A copy of ``module`` (a blueprint module) with its own parameters and buffers allocated
-    on the host, whole, and set by the model's own scheme: HF's ``_init_weights`` (norms at
-    one, ``initializer_range``, rotary frequencies), else ``reset_parameters()``."""
-    fresh = copy.deepcopy(module).to_empty(device="cpu", recurse=False)
+def initialized_tensor(blueprint: nn.Module, module_name: str, module: nn.Module, name: str,
+                       seed: int) -> torch.Tensor:
+    """Tensor ``name`` of blueprint ``module``, whole, on the host, set by the model's own
+    scheme: HF's ``_init_weights`` (norms at one, ``initializer_range``, rotary
+    frequencies), else ``reset_parameters()``. The module is copied with only that tensor
+    allocated (the others stay on the meta device, where initialising costs nothing), so
+    a rank holds one tensor at a time, drawn from its own seed."""
+    fresh = copy.deepcopy(module)
+    meta = getattr(fresh, name)
+    allocated = torch.empty_like(meta, device="cpu")
+    if name in fresh._parameters:
+        fresh._parameters[name] = nn.Parameter(allocated, requires_grad=meta.requires_grad)
+    else:
+        fresh._buffers[name] = allocated
     init = getattr(blueprint, "_init_weights", None)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(module_seed(seed, name))
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(tensor_seed(seed, f"{module_name}.{name}" if module_name else name))
         if callable(init):
-            with torch.no_grad():
-                init(fresh)
+            init(fresh)
         elif callable(getattr(fresh, "reset_parameters", None)):
             fresh.reset_parameters()
-        elif any(True for _ in fresh.parameters(recurse=False)) or any(True for _ in fresh.buffers(recurse=False)):
-            raise CheckpointError(name or type(module).__name__, type(module).__name__,
+        else:
+            raise CheckpointError(f"{module_name}.{name}" if module_name else name, type(module).__name__,
                                   "give the module a reset_parameters(), or load a checkpoint",
                                   reason="the model has no _init_weights and the module no reset_parameters")
-    return fresh
+    return getattr(fresh, name).detach()
 
 
 @contextmanager
