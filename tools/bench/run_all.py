@@ -31,6 +31,7 @@ BENCHES = {
     "ep_dispatch": [],
     "ulysses": [],
     "recompute": [],
+    "load_pretrained": [],
 }
 
 

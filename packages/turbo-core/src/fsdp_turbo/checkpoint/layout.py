@@ -4,7 +4,7 @@ A Hugging Face checkpoint stores what transformers' ``save_pretrained`` writes: 
 once, and some tensors in another form than the model holds them. Fused MoE experts
 (``experts.gate_up_proj [E, 2I, H]``) are stored as one ``gate_proj`` and one ``up_proj``
 per expert, for example. transformers' own save conversion says how
-(``core.hf.save_conversion``). Here each of its steps is followed as a box: a
+(``core.hf.SaveConversions``). Here each of its steps is followed as a box: a
 checkpoint tensor is the box ``start:start+size`` of one model tensor, with some model
 dims dropped. A rank that holds a box of the model tensor then reads only the checkpoint
 slices that overlap it.
@@ -85,7 +85,7 @@ def _split_entries(box: Piece, dim: int) -> list[Piece]:
     return out
 
 
-def _converted_pieces(model: nn.Module, key: str, shape: tuple[int, ...],
+def _converted_pieces(conversions: hf.SaveConversions, key: str, shape: tuple[int, ...],
                       conversion: hf.SaveConversion) -> list[Piece]:
     """Follow transformers' save steps for ``key``, naming each result as transformers does."""
     # name pattern -> box; a step maps each entry to its results, as the ops map their dicts
@@ -110,7 +110,7 @@ def _converted_pieces(model: nn.Module, key: str, shape: tuple[int, ...],
         raise CheckpointError(key, conversion.layer_name, "report this model type",
                               reason="its checkpoint names cannot be derived")
     prefix, _, suffix = full.partition(anchor)
-    return [Piece(hf.checkpoint_name(model, prefix + name + suffix), box.start, box.size, box.kept)
+    return [Piece(conversions.name(prefix + name + suffix), box.start, box.size, box.kept)
             for name, box in entries.items()]
 
 
@@ -120,12 +120,13 @@ def checkpoint_layout(blueprint: nn.Module) -> Layout:
     saved = hf.saved_state(blueprint, state)
     tensors = {id(t): k for k, t in saved.items()}
     tied = {k: tensors[id(t)] for k, t in state.items() if k not in saved and id(t) in tensors}
+    conversions = hf.SaveConversions(blueprint)
     pieces: dict[str, tuple[Piece, ...]] = {}
     for key, tensor in saved.items():
-        conversion = hf.save_conversion(blueprint, key)
+        conversion = conversions.for_key(key)
         shape = tuple(tensor.shape)
-        found = (_converted_pieces(blueprint, key, shape, conversion) if conversion is not None
-                 else [_whole(hf.checkpoint_name(blueprint, key), shape)])
+        found = (_converted_pieces(conversions, key, shape, conversion) if conversion is not None
+                 else [_whole(conversions.name(key), shape)])
         pieces[key] = tuple(found)
     layout = Layout(pieces, tied)
     _check_against_transformers(blueprint, saved, layout)

@@ -22,7 +22,7 @@ from fsdp_turbo.core.logging import get_logger
 _log = get_logger(__name__)
 # Mapped file pages count as this process's memory until the file is closed: close the
 # files after this many bytes have been read, so the peak stays near this rank's share.
-RELEASE_EVERY = 256 * 2**20
+RELEASE_EVERY = 16 * 2**20
 
 
 @dataclass(frozen=True)

@@ -74,26 +74,39 @@ class SaveConversion:
     layer_name: str  # the model key with its matched part replaced by the first target pattern
 
 
-def save_conversion(model: nn.Module, key: str) -> SaveConversion | None:
-    """The converter transformers applies to ``key`` on save, or None (a rename at most)."""
-    from transformers.core_model_loading import WeightConverter, apply_converters
+class SaveConversions:
+    """transformers' save conversions for one model (as ``revert_weight_conversion`` builds
+    them), made once: which converter a key meets, and the renamings after it."""
 
-    converters = [c.reverse_transform() for c in _conversions(model)[::-1]]
-    converters = [c for c in converters if isinstance(c, WeightConverter)]
-    renamed, pattern = apply_converters(key, converters)
-    if pattern is None:
-        return None
-    converter = next(c for c in converters if pattern in c.source_patterns)
-    return SaveConversion(tuple(converter.operations), tuple(converter.target_patterns), renamed)
+    def __init__(self, model: nn.Module) -> None:
+        reverse = [c.reverse_transform() for c in _conversions(model)[::-1]]
+        try:
+            from transformers.core_model_loading import WeightConverter, WeightRenaming
+        except ImportError:  # transformers 4: checkpoints and models share one layout
+            self.converters, self.renamings = [], []
+            return
+        self.converters = [c for c in reverse if isinstance(c, WeightConverter)]
+        self.renamings = [c for c in reverse if isinstance(c, WeightRenaming)]
 
+    def for_key(self, key: str) -> SaveConversion | None:
+        """The converter transformers applies to ``key`` on save, or None (a rename at most)."""
+        if not self.converters:
+            return None
+        from transformers.core_model_loading import apply_converters
 
-def checkpoint_name(model: nn.Module, name: str) -> str:
-    """A name produced by a save conversion, after transformers' renamings (e.g. Mixtral's
-    ``mlp`` back to ``block_sparse_moe``)."""
-    from transformers.core_model_loading import WeightRenaming, apply_renamings
+        renamed, pattern = apply_converters(key, self.converters)
+        if pattern is None:
+            return None
+        converter = next(c for c in self.converters if pattern in c.source_patterns)
+        return SaveConversion(tuple(converter.operations), tuple(converter.target_patterns), renamed)
 
-    renamings = [c.reverse_transform() for c in _conversions(model)[::-1]]
-    return apply_renamings(name, [r for r in renamings if isinstance(r, WeightRenaming)])
+    def name(self, name: str) -> str:
+        """A name after transformers' save renamings (e.g. Mixtral's ``mlp`` back to ``block_sparse_moe``)."""
+        if not self.renamings:
+            return name
+        from transformers.core_model_loading import apply_renamings
+
+        return apply_renamings(name, self.renamings)
 
 
 def _conversions(model: nn.Module) -> list[Any]:
