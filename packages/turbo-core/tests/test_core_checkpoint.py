@@ -78,3 +78,35 @@ def test_checkpoint_errors_cross_processes_intact(tmp_path):
         load_pretrained(tiny_hf_causal_lm("llama", device="meta"), tmp_path)
     error = pickle.loads(pickle.dumps(info.value))
     assert isinstance(error, CheckpointError) and "no config.json" in str(error)
+
+
+def test_a_checkpoint_in_the_models_own_layout_loads(tmp_path):
+    """Fused experts under the model's own names, as earlier exports wrote them."""
+    from safetensors.torch import save_file
+
+    reference = tiny_hf_causal_lm("qwen3_moe", seed=2)
+    reference.config.save_pretrained(tmp_path)
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, tmp_path / "model.safetensors")
+    model = tiny_hf_causal_lm("qwen3_moe", device="meta")
+    load_pretrained(model, tmp_path)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in reference.state_dict().items())
+
+
+def test_strict_false_initialises_what_is_missing_and_names_it(tmp_path, caplog):
+    import logging
+
+    from safetensors.torch import save_file
+
+    reference = tiny_hf_causal_lm("llama", seed=2)
+    reference.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in reference.state_dict().items() if k != "model.norm.weight"}
+    save_file({**state, "model.extra": torch.zeros(3)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="1 missing"):
+        load_pretrained(tiny_hf_causal_lm("llama", device="meta"), tmp_path)
+    model = tiny_hf_causal_lm("llama", device="meta")
+    with caplog.at_level(logging.WARNING, logger="fsdp_turbo"):
+        report = load_pretrained(model, tmp_path, strict=False)
+    assert report.missing == ("model.norm.weight",) and report.unexpected == ("model.extra",)
+    assert model.model.norm.weight.eq(1).all()  # initialised as init_weights would
+    assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
+    assert any("model.norm.weight" in r.getMessage() and "model.extra" in r.getMessage() for r in caplog.records)

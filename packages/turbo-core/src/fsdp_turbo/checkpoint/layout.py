@@ -45,10 +45,10 @@ class Piece:
 
 @dataclass(frozen=True)
 class Layout:
-    """Every saved model tensor's checkpoint pieces, in the model's order."""
+    """Every saved model tensor's checkpoint pieces, in the model's order (a tied weight's
+    second name is not saved: it shares the first one's tensor)."""
 
     pieces: dict[str, tuple[Piece, ...]]  # model key -> its checkpoint tensors
-    tied: dict[str, str]  # model key not saved -> the saved model key holding the same tensor
 
     @property
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -116,10 +116,7 @@ def _converted_pieces(conversions: hf.SaveConversions, key: str, shape: tuple[in
 
 def checkpoint_layout(blueprint: nn.Module) -> Layout:
     """The layout of ``blueprint``'s checkpoints (a meta-device model in its original form)."""
-    state = blueprint.state_dict(keep_vars=True)  # Parameters, so tied names share one object
-    saved = hf.saved_state(blueprint, state)
-    tensors = {id(t): k for k, t in saved.items()}
-    tied = {k: tensors[id(t)] for k, t in state.items() if k not in saved and id(t) in tensors}
+    saved = hf.saved_state(blueprint, blueprint.state_dict(keep_vars=True))
     conversions = hf.SaveConversions(blueprint)
     pieces: dict[str, tuple[Piece, ...]] = {}
     for key, tensor in saved.items():
@@ -128,7 +125,7 @@ def checkpoint_layout(blueprint: nn.Module) -> Layout:
         found = (_converted_pieces(conversions, key, shape, conversion) if conversion is not None
                  else [_whole(conversions.name(key), shape)])
         pieces[key] = tuple(found)
-    layout = Layout(pieces, tied)
+    layout = Layout(pieces)
     _check_against_transformers(blueprint, saved, layout)
     return layout
 

@@ -136,7 +136,7 @@ def _own_layout(layout: Layout, files: CheckpointFiles) -> Layout:
     own = {key: (Piece(key, (0,) * len(pieces_shape), pieces_shape, tuple(range(len(pieces_shape)))),)
            for key, pieces_shape in _model_shapes(layout).items()}
     if set(own) <= set(files.shapes):
-        return Layout(own, layout.tied)
+        return Layout(own)
     return layout
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import zlib
-from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 from fsdp_turbo.core.blueprint import has_meta_tensors, release_meta_guard
 from fsdp_turbo.core.device import current_device
 from fsdp_turbo.core.errors import CheckpointError
+from fsdp_turbo.core.model_inspect import tied_parameter_groups
 
 
 def target_device(model: nn.Module) -> torch.device:
@@ -31,20 +31,11 @@ def target_device(model: nn.Module) -> torch.device:
     return current_device(state.device_type)
 
 
-def _tied_names(blueprint: nn.Module) -> list[list[tuple[str, str]]]:
-    owners: dict[int, list[tuple[str, str]]] = defaultdict(list)
-    for module_name, module in blueprint.named_modules(remove_duplicate=False):
-        for name, param in module.named_parameters(recurse=False):
-            if (module_name, name) not in owners[id(param)]:
-                owners[id(param)].append((module_name, name))
-    return [group for group in owners.values() if len(group) > 1]
-
-
 def allocate(model: nn.Module, blueprint: nn.Module) -> None:
     """Allocate the meta tensors of ``model`` (values undefined) and re-tie tied parameters."""
     if has_meta_tensors(model):
         model.to_empty(device=target_device(model))
-        for (first_module, first), *others in _tied_names(blueprint):
+        for (first_module, first), *others in tied_parameter_groups(blueprint):
             shared = getattr(model.get_submodule(first_module), first)
             for module_name, name in others:
                 module = model.get_submodule(module_name)

@@ -46,14 +46,19 @@ def _holders(keys: list[str], local: dict[str, torch.Tensor]) -> dict[str, int]:
 
 def _whole(key: str, value: torch.Tensor | None, holder: int | None, like: torch.Tensor,
            device: torch.device) -> torch.Tensor:
-    """The full tensor on every rank (a collective when the model is sharded)."""
+    """The full tensor on every rank (a collective when the model is sharded). A tensor only
+    some ranks hold is gathered among them first, then broadcast from the lowest."""
+    whole = None
+    if value is not None:
+        whole = value.full_tensor() if is_dtensor(value) else value
+        whole = whole.detach()
     if holder is not None:
-        buffer = (value.detach() if value is not None else torch.empty(like.shape, dtype=like.dtype)).to(device)
+        # Only the source's own tensor goes in: the others receive into new memory.
+        sending = dist.get_rank() == holder
+        buffer = whole.to(device) if sending else torch.empty(like.shape, dtype=like.dtype, device=device)
         dist.broadcast(buffer, src=holder)
         return buffer.cpu()
-    if is_dtensor(value):
-        return value.full_tensor().detach().cpu()
-    return value.detach().cpu()
+    return whole.cpu()
 
 
 def _config(blueprint: nn.Module, dtype: torch.dtype):

@@ -56,6 +56,18 @@ def attention_heads(model: nn.Module) -> tuple[int | None, int | None]:
     return heads, kv_heads
 
 
+def tied_parameter_groups(model: nn.Module) -> list[tuple[tuple[str, str], ...]]:
+    """The (module name, parameter name) places that share one parameter, for each parameter
+    held in more than one place (tied embeddings), in model order."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for param_name, param in module.named_parameters(recurse=False):
+            places = owners.setdefault(id(param), [])
+            if (module_name, param_name) not in places:
+                places.append((module_name, param_name))
+    return [tuple(places) for places in owners.values() if len(places) > 1]
+
+
 def output_head(model: nn.Module) -> tuple[str, nn.Module] | None:
     """(name, module) of the model's output head (HF ``get_output_embeddings()``), or ``None``."""
     getter = getattr(model, "get_output_embeddings", None)

@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.core.model_inspect import attention_heads, output_head, repeated_blocks
+from fsdp_turbo.core.model_inspect import attention_heads, output_head, repeated_blocks, tied_parameter_groups
 from fsdp_turbo.core.patterns import check_disjoint, match_modules
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow
 from fsdp_turbo.distributed.tensor_parallel.styles import (
@@ -173,15 +173,6 @@ def _check_heads(model: nn.Module, tp: int) -> None:
                           f"num_key_value_heads={kv_heads}", reason="key/value heads must split evenly")
 
 
-def _tied_groups(model: nn.Module) -> list[TiedGroup]:
-    owners: dict[int, list[tuple[str, str]]] = defaultdict(list)
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for param_name, param in module.named_parameters(recurse=False):
-            if (module_name, param_name) not in owners[id(param)]:
-                owners[id(param)].append((module_name, param_name))
-    return [tuple(group) for group in owners.values() if len(group) > 1]
-
-
 def _outside(exclude: Collection[str]) -> Callable[[str, nn.Module], bool]:
     prefixes = tuple(name + "." for name in exclude)
     return lambda name, _module: name not in exclude and not name.startswith(prefixes)
@@ -328,7 +319,7 @@ def _replicate_the_rest(model: nn.Module, styles: dict[str, StyleChoice], sharde
 
 
 def _check_tied(model: nn.Module, styles: dict[str, StyleChoice]) -> list[TiedGroup]:
-    groups = _tied_groups(model)
+    groups = tied_parameter_groups(model)
     kinds = {name: choice.kind for name, choice in styles.items()}
     for group in groups:
         group_kinds = {kinds.get(module_name) for module_name, _ in group}
