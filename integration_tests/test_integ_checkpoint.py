@@ -34,9 +34,10 @@ pytestmark = pytest.mark.multirank
 MODELS = ["llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3"]
 MOE = {"qwen3_moe", "mixtral", "deepseek_v3"}
 # Every model at every layout it has: EP needs experts; the TP plan names q/k/v_proj, which
-# DeepSeek-V3's MLA attention does not have.
+# DeepSeek-V3's MLA attention does not have. Llama ties its embeddings, except under this
+# TP plan (which shards the head but not the embedding, so a tie is a ConfigError).
 ROUND_TRIPS = [
-    (kind, layout, {"tie_word_embeddings": True} if kind == "llama" else {})
+    (kind, layout, {"tie_word_embeddings": True} if kind == "llama" and layout != "fsdp2 x tp2" else {})
     for layout in ("fsdp4", "hsdp 2x2", "fsdp2 x tp2", "fsdp4, ep2 x efsdp2", "cp2 x fsdp2", "fsdp4 + mxfp8")
     for kind in MODELS
     if (layout != "fsdp4, ep2 x efsdp2" or kind in MOE) and (layout != "fsdp2 x tp2" or kind != "deepseek_v3")
