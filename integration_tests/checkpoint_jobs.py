@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from fsdp_turbo.checkpoint import init_weights, load_pretrained, save_pretrained
 from fsdp_turbo.core.testing import full_tensor, make_token_batches, shard_rows, train_steps
-from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+from fsdp_turbo.core.testing.models import tiny_hf_causal_lm, to_expert_lists
 from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
 QKV = ["*.q_proj", "*.k_proj", "*.v_proj"]
@@ -137,41 +137,10 @@ def init_peak_memory(kind: str, layout: str, model_kwargs: dict) -> dict:
     return {"peak": peak, "share": share, "largest_module": largest_module, "largest_param": largest_param}
 
 
-class _Expert(torch.nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
-        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
-        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class _ExpertList(torch.nn.ModuleList):
-    """Experts as a ModuleList (custom and older models), with the HF experts' forward; its
-    keys are the checkpoint's own (``experts.5.gate_proj.weight``)."""
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden_states)
-        for index, expert in enumerate(self):
-            token, slot = torch.where(top_k_index == index)
-            out = out.index_add(0, token, expert(hidden_states[token]) * top_k_weights[token, slot, None])
-        return out
-
-
 def expert_list_round_trip(checkpoint: str, out: str) -> dict:
     """A meta model whose experts are a ModuleList, EP=2: each rank keeps (and reads) its
     own experts' keys only; saving gathers the others' from the ranks that hold them."""
-    model = tiny_hf_causal_lm("qwen3_moe", device="meta")
-    with torch.device("meta"):
-        for name, module in list(model.named_modules()):
-            if name.endswith("mlp.experts"):
-                experts, two_inter, hidden = module.gate_up_proj.shape
-                parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent), child,
-                        _ExpertList([_Expert(hidden, two_inter // 2) for _ in range(experts)]))
-    model = FSDPTurbo(LAYOUTS["fsdp4, ep2 x efsdp2"], model)
+    model = FSDPTurbo(LAYOUTS["fsdp4, ep2 x efsdp2"], to_expert_lists(tiny_hf_causal_lm("qwen3_moe", device="meta")))
     report = load_pretrained(model, checkpoint)
     held = sorted(k for k in model.state_dict() if ".experts." in k)
     save_pretrained(model, out, max_shard_size="200KB")

@@ -8,47 +8,7 @@ import torch
 from torch import nn
 
 from fsdp_turbo.core.testing import TrainRecord, full_tensor, shard_rows, train_steps
-from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
-
-
-class SwiGLUExpert(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.act_fn = nn.SiLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-class ExpertMLPList(nn.ModuleList):
-    """A custom model's experts: a ModuleList of MLPs with the HF experts' forward."""
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden_states)
-        for index, expert in enumerate(self):
-            token, slot = torch.where(top_k_index == index)
-            out = out.index_add(0, token, expert(hidden_states[token]) * top_k_weights[token, slot, None])
-        return out
-
-
-def to_expert_lists(model: nn.Module) -> nn.Module:
-    """Replace each fused experts module by an ``ExpertMLPList`` with the same weights."""
-    for name, module in list(model.named_modules()):
-        if name.endswith("mlp.experts"):
-            num, two_inter, hidden = module.gate_up_proj.shape
-            experts = ExpertMLPList([SwiGLUExpert(hidden, two_inter // 2) for _ in range(num)])
-            with torch.no_grad():
-                for index, expert in enumerate(experts):
-                    gate, up = module.gate_up_proj[index].chunk(2)
-                    expert.gate_proj.weight.copy_(gate)
-                    expert.up_proj.weight.copy_(up)
-                    expert.down_proj.weight.copy_(module.down_proj[index])
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, experts)
-    return model
+from fsdp_turbo.core.testing.models import tiny_hf_causal_lm, to_expert_lists
 
 
 def build_model(kind: str, model_kwargs=None, expert_lists: bool = False) -> nn.Module:

@@ -4,10 +4,9 @@ import copy
 
 import pytest
 import torch
-from ep_jobs import ExpertMLPList, to_expert_lists
 from torch import nn
 
-from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+from fsdp_turbo.core.testing.models import ExpertMLPList, tiny_hf_causal_lm, to_expert_lists
 from fsdp_turbo.distributed.expert_parallel import DISPATCHERS, ExpertGroup, expert_adapter, make_expert_parallel
 from fsdp_turbo.distributed.expert_parallel.experts import ExpertList, FusedExperts
 from fsdp_turbo.distributed.expert_parallel.routing import build_route, count_tokens, inverse_permutation
