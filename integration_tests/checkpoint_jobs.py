@@ -23,6 +23,8 @@ LAYOUTS = {
                                 "sequence_parallel": SP, "loss_parallel": True}},
     # experts over EP 2, sharded again over efsdp 2
     "fsdp4, ep2 x efsdp2": {"fully_shard_parallel_size": 4, "expert_parallel_size": 2, "ep_plan": {}},
+    "fsdp4, ep2 eager": {"fully_shard_parallel_size": 4, "expert_parallel_size": 2, "ep_plan": {"dispatcher": "eager"}},
+    "fsdp4, ep2 mc2": {"fully_shard_parallel_size": 4, "expert_parallel_size": 2, "ep_plan": {"dispatcher": "mc2"}},
     "cp2 x fsdp2": {"fully_shard_parallel_size": 2, "context_parallel_size": 2},
     "fsdp4 + mxfp8": {"fully_shard_parallel_size": 4, "quantization_plan": {"quant_format": "E4M3", "block_size": 32}},
     "fsdp4, ep2 x efsdp2 + mxfp8": {"fully_shard_parallel_size": 4, "expert_parallel_size": 2, "ep_plan": {},

@@ -102,7 +102,8 @@ def test_fsdp4_reads_a_quarter(tmp_path):
         assert result["read"] / result["total"] < 0.27, result
 
 
-@pytest.mark.parametrize("kind,layout", [("qwen3_moe", "fsdp4, ep2 x efsdp2"), ("llama", "cp2 x fsdp2"),
+@pytest.mark.parametrize("kind,layout", [("qwen3_moe", "fsdp4, ep2 x efsdp2"), ("qwen3_moe", "fsdp4, ep2 eager"),
+                                         ("qwen3_moe", "fsdp4, ep2 mc2"), ("llama", "cp2 x fsdp2"),
                                          ("qwen3_moe", "every feature")])
 def test_training_from_a_load_matches_training_the_whole_model(kind, layout, tmp_path):
     """The same weights and layout either way, so the same numbers to the last bit."""

@@ -98,7 +98,7 @@ def test_train_writes_metrics_plot_checkpoints_and_an_hf_model(reference):
 
 def test_a_job_from_a_checkpoint_trains_as_the_job_from_its_config(job_file, reference, tmp_path):
     """``model_name_or_path`` (meta build + load_pretrained) of the very weights ``init_weights``
-    gives the config-built job: the same run to the last bit."""
+    gives the config-built job: the same run to the last bit, through a stop and a resume."""
     from fsdp_turbo.checkpoint import init_weights
     from fsdp_turbo.cli.job_config import JobConfig
     from fsdp_turbo.cli.model import build_model
@@ -109,8 +109,10 @@ def test_a_job_from_a_checkpoint_trains_as_the_job_from_its_config(job_file, ref
     path_job.write_text(yaml.safe_dump({**JOB, "model": {"model_name_or_path": str(tmp_path / "start")}}))
     plan = fsdp_turbo("plan", path_job, "--world-size", 2).stdout
     assert "each rank reads about" in plan
-    result = train(path_job, tmp_path / "out")
+    # stopped and resumed on the way, so resume and export after a load are covered too
+    result = train(path_job, tmp_path / "out", 2, "--stop-at-step", 3)
     assert "this rank read" in result.stderr
+    train(path_job, tmp_path / "out")
     timing = ("tokens_per_s", "tflops_per_rank", "peak_memory_mib")
     assert metrics(tmp_path / "out") == [{**row, **{k: r[k] for k in timing}} for row, r in
                                           zip(metrics(reference), metrics(tmp_path / "out"), strict=True)]

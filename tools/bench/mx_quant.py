@@ -3,7 +3,8 @@
 Quantizes one bf16 tensor (4096 x 4096 by default, block 32) with ``quantize_mx``
 (the portable ``mx.quantize`` kernel) and with ``reference.quantize_mx_naive``, the
 straightforward torch version of the same algorithm (reshape into blocks, amax,
-torch.log2 + floor/ceil, divide, clamp, cast; HIF8 rounds in float64). Both run in the
+torch.log2 + floor/ceil, divide, clamp, cast; HIF8 rounded and looked up on its grid in float32,
+as a plain vectorised encoder would). Both run in the
 same process, interleaved so machine noise hits them alike, and must give the same
 bytes. Prints the median time, GB/s (input bytes / time) and the speedup.
 

@@ -54,6 +54,16 @@ def test_load_and_save_round_trip(kind, tmp_path):
     assert all(torch.equal(back.state_dict()[k], v.to(torch.bfloat16)) for k, v in expected.items())
 
 
+def test_values_are_converted_to_the_models_dtype(tmp_path):
+    reference = tiny_hf_causal_lm("qwen3_moe", seed=1).to(torch.bfloat16)
+    reference.save_pretrained(tmp_path)
+    model = tiny_hf_causal_lm("qwen3_moe", device="meta")  # float32
+    load_pretrained(model, tmp_path)
+    for key, value in reference.state_dict().items():
+        assert model.state_dict()[key].dtype == torch.float32
+        assert torch.equal(model.state_dict()[key], value.float()), key
+
+
 def test_init_weights_follows_the_seed_and_the_models_scheme():
     first = init_weights(tiny_hf_causal_lm("qwen3_moe", device="meta"), seed=3).state_dict()
     again = init_weights(tiny_hf_causal_lm("qwen3_moe", device="meta"), seed=3).state_dict()

@@ -48,3 +48,37 @@ def test_mix_in_keeps_parameters_and_subclasses_the_original():
     torch.testing.assert_close(layer(x), 2 * torch.nn.functional.linear(x, layer.weight, layer.bias))
     with pytest.raises(ValueError, match="already"):
         mix_in(layer, Twice, "Twice")
+
+
+def test_grouped_mm_falls_back_only_where_the_kernel_does_not_run(monkeypatch, caplog):
+    import logging
+
+    from fsdp_turbo.core import grouped_mm as gm
+
+    a, b = torch.randn(6, 16), torch.randn(2, 16, 8)
+    offsets = torch.tensor([2, 6])
+    expected = torch.cat([a[:2] @ b[0], a[2:] @ b[1]])
+
+    def no_kernel(*args, **kwargs):
+        raise NotImplementedError("no grouped kernel for this backend")
+
+    monkeypatch.setattr(gm, "_runs", {})
+    monkeypatch.setattr(torch, "_grouped_mm", no_kernel)
+    with caplog.at_level(logging.WARNING, logger="fsdp_turbo"):
+        torch.testing.assert_close(gm.grouped_mm(a, b, offsets), expected)
+        gm.grouped_mm(a, b, offsets)
+    assert sum("grouped GEMMs run as a loop" in r.getMessage() for r in caplog.records) == 1
+
+    # Where the kernel runs, its errors are the caller's (an out-of-memory is never a reason to loop).
+    calls = []
+
+    def runs_then_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("CUDA out of memory")
+        return torch.zeros(16, 16)
+
+    monkeypatch.setattr(gm, "_runs", {})
+    monkeypatch.setattr(torch, "_grouped_mm", runs_then_fails)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        gm.grouped_mm(a, b, offsets)

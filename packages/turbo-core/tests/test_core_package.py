@@ -20,11 +20,17 @@ def test_version_is_the_package_version():
 
 
 def test_core_imports_no_feature_package():
-    # transformers is allowed only in the test helpers and the HF entry points, imported lazily.
-    allowed = ("torch", "yaml", "fsdp_turbo.core", "fsdp_turbo.fsdp_turbo_config", "transformers")
-    assert foreign_imports(SRC / "core", allowed) == {}
-    assert foreign_imports(SRC / "core", allowed[:-1]).keys() <= {str(SRC / "core/testing/models.py"),
-                                                                   str(SRC / "core/hf.py")}
+    # transformers (and its hub library) only in the test helpers and the HF entry points, lazily.
+    allowed = ("torch", "yaml", "fsdp_turbo.core", "fsdp_turbo.fsdp_turbo_config")
+    assert foreign_imports(SRC / "core", (*allowed, "transformers", "huggingface_hub")) == {}
+    assert foreign_imports(SRC / "core", allowed).keys() <= {str(SRC / "core/testing/models.py"),
+                                                              str(SRC / "core/hf.py")}
+
+
+def test_checkpoint_imports_torch_safetensors_and_core_only():
+    # transformers only through core.hf; safetensors is the reader and writer.
+    allowed = ("torch", "safetensors", "fsdp_turbo.core", "fsdp_turbo.checkpoint")
+    assert foreign_imports(SRC / "checkpoint", allowed) == {}
 
 
 def test_seed_imports_work():
@@ -32,4 +38,8 @@ def test_seed_imports_work():
     from fsdp_turbo.fsdp_turbo_config import EPPlanConfig, FSDPPlanConfig, FSDPTurboConfig, QuantizeConfig, TPPlanConfig
 
     assert callable(FSDPTurbo)
-    assert {FSDPTurboConfig, FSDPPlanConfig, TPPlanConfig, EPPlanConfig, QuantizeConfig}
+    # The seed's names build the seed's objects: each plan fits its field of the whole config.
+    config = FSDPTurboConfig(fsdp_plan=FSDPPlanConfig(), tp_plan=TPPlanConfig(), ep_plan=EPPlanConfig(),
+                             quantization_plan=QuantizeConfig())
+    assert (type(config.fsdp_plan), type(config.tp_plan), type(config.ep_plan), type(config.quantization_plan)) == (
+        FSDPPlanConfig, TPPlanConfig, EPPlanConfig, QuantizeConfig)

@@ -11,7 +11,37 @@ from __future__ import annotations
 
 import torch
 
+from fsdp_turbo.core.logging import get_logger, warn_once
 from fsdp_turbo.core.ops import call_op, register_op
+
+_log = get_logger(__name__)
+_runs: dict[tuple[str, torch.dtype], bool] = {}
+PROBE = 16  # the probe's sizes: multiples of 16, as the CUDA kernel wants its strides
+
+
+def grouped_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs on this device type and dtype. Probed once, on a
+    tiny input: an unsupported build, device or dtype raises there, and is logged once. The
+    real calls then run unguarded, so their errors surface: out of memory, or a layout the
+    kernel refuses (on CUDA, strides that are not multiples of 16 bytes)."""
+    key = (device.type, dtype)
+    if key not in _runs:
+        reason = "this torch has no torch._grouped_mm"
+        works = hasattr(torch, "_grouped_mm") and dtype in (torch.float32, torch.bfloat16)
+        if works:
+            a = torch.zeros(PROBE, PROBE, dtype=dtype, device=device)
+            b = torch.zeros(1, PROBE, PROBE, dtype=dtype, device=device)
+            try:
+                torch._grouped_mm(a, b, offs=torch.tensor([PROBE], dtype=torch.int32, device=device))
+            except (NotImplementedError, RuntimeError) as err:  # the probe only: "no kernel for this"
+                works, reason = False, f"{type(err).__name__}: {err}".splitlines()[0]
+        elif hasattr(torch, "_grouped_mm"):
+            reason = f"it takes float32 or bfloat16, not {dtype}"
+        if not works:
+            warn_once(_log, f"torch._grouped_mm does not run on {device.type} for {dtype} ({reason}); "
+                            "grouped GEMMs run as a loop over the groups")
+        _runs[key] = works
+    return _runs[key]
 
 
 def _group_bounds(offsets: torch.Tensor) -> list[tuple[int, int]]:
@@ -39,11 +69,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch
     ``offsets [E]`` are the groups' cumulative end rows (empty groups allowed)."""
     if a.dtype != b.dtype:
         raise ValueError(f"grouped_mm needs one dtype, got {a.dtype} and {b.dtype}")
-    if hasattr(torch, "_grouped_mm") and a.dtype in (torch.float32, torch.bfloat16):
-        try:
-            return torch._grouped_mm(a, b, offs=offsets.to(torch.int32))
-        except (NotImplementedError, RuntimeError):
-            pass  # no grouped kernel for this device, dtype or layout: loop below
+    if grouped_kernel_runs(a.device, a.dtype):
+        return torch._grouped_mm(a, b, offs=offsets.to(torch.int32))
     return _loop_grouped_mm(a, b, offsets)
 
 

@@ -72,10 +72,13 @@ class LazyKernel:
     def __init__(self, op: str, module: str, attr: str) -> None:
         self.op, self.module, self.attr = op, module, attr
         self._fn: Callable[..., Any] | None = None
+        self._fell_back = False
 
     @property
     def backend(self) -> str:
-        return self.module.rpartition(".")[2]
+        """The backend that runs: its module's name, or ``portable`` once it failed to import."""
+        self.resolve()
+        return PORTABLE if self._fell_back else self.module.rpartition(".")[2]
 
     def resolve(self) -> Callable[..., Any]:
         if self._fn is None:
@@ -87,6 +90,7 @@ class LazyKernel:
                 warn_once(_log, f"op {self.op!r}: backend {self.module} does not import ({err}); "
                                 "using the portable kernel")
                 self._fn = _kernels[self.op][PORTABLE]
+                self._fell_back = True
         return self._fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -112,6 +116,7 @@ def register_lazy_kernels(backends: tuple[tuple[str, str, str, str, str | None],
 
 
 def backend_of(op: str, device_type: str) -> str:
-    """Which implementation ``call_op(op, device_type)`` runs: a backend name or 'portable'."""
+    """Which implementation ``call_op(op, device_type)`` runs: a backend name, or 'portable'
+    (also when the device kernel's library failed to import and the portable kernel ran)."""
     kernel = get_op(op, device_type)
     return kernel.backend if isinstance(kernel, LazyKernel) else PORTABLE

@@ -92,11 +92,14 @@ def fp8_round_reference(v: torch.Tensor, quant_format: str) -> torch.Tensor:
     return torch.copysign(torch.round(a / step) * step, v)
 
 
-def hif8_round_reference(v: torch.Tensor) -> torch.Tensor:
-    """float64 ``v`` rounded to the HiF8 grid, ties away from zero; overflow gives +-Inf."""
-    v = v.double()
+def hif8_round_reference(v: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``v`` rounded to the HiF8 grid in ``dtype``, ties away from zero; overflow gives +-Inf.
+
+    float32 is exact too for inputs that are float32 already: every step is a power of two
+    and HiF8 keeps at most 3 mantissa bits, far inside float32's 24."""
+    v = v.to(dtype)
     a = v.abs()
-    e = torch.where(a > 0, _floor_log2(a), -1000.0)
+    e = torch.where(a > 0, torch.frexp(a).exponent.to(dtype) - 1, -1000.0)
     mbits = torch.where(e.abs() <= 3, 3, torch.where(e.abs() <= 7, 2, 1))
     mbits = torch.where(e < -15, 0, mbits)  # denormals are powers of two
     step = torch.pow(2.0, e - mbits)
@@ -106,8 +109,9 @@ def hif8_round_reference(v: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(v), v, torch.copysign(q, v))
 
 
-def encode_reference(values: torch.Tensor, quant_format: str) -> torch.Tensor:
-    """Codes (uint8) of values that are already on the grid of ``quant_format``.
+def encode_reference(values: torch.Tensor, quant_format: str, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Codes (uint8) of values that are already on the grid of ``quant_format`` (searched in
+    ``dtype``; every FP8 and HiF8 value is exact in float32).
 
     NaN gives the format's canonical NaN code. FP8 zero keeps its sign (-0.0 -> 0x80);
     HiF8 has no negative zero.
@@ -115,9 +119,9 @@ def encode_reference(values: torch.Tensor, quant_format: str) -> torch.Tensor:
     fmt = get_format(quant_format)
     table = code_table_reference(fmt.name)
     positive = sorted((value, code) for code, value in table.items() if code < 0x80)
-    grid = torch.tensor([value for value, _ in positive], dtype=torch.float64)
+    grid = torch.tensor([value for value, _ in positive], dtype=dtype)
     codes = torch.tensor([code for _, code in positive], dtype=torch.int64)
-    v = values.double().contiguous()
+    v = values.to(dtype).contiguous()
     a = v.abs()
     index = torch.searchsorted(grid, torch.where(torch.isnan(a), 0.0, a)).clamp(max=len(positive) - 1)
     found = grid[index] == a
@@ -181,8 +185,9 @@ def quantize_mx_naive(
 
     fp32 throughout (float64 input is narrowed with ``.float()`` first) except the
     per-block log2 (float64, so that floor/ceil never round across a power of two).
-    FP8 elements use torch's float8 cast after the clamp; HIF8 elements use
-    ``hif8_round_reference``.
+    FP8 elements use torch's float8 cast after the clamp; HIF8 elements are rounded and
+    looked up on the grid in float32 (exact: see ``hif8_round_reference``), as a plain
+    vectorised encoder would; the float64 reference is the slow, obviously-right one.
     """
     fmt = get_format(quant_format)
     emax = fmt.emax_elem if emax_elem is None else emax_elem
@@ -197,7 +202,7 @@ def quantize_mx_naive(
     s = torch.where(finite, s, 0.0)
     scaled = (blocks / torch.exp2(s).float()).clamp(-fmt.max_elem, fmt.max_elem)
     if fmt.name == "HIF8":
-        codes = encode_reference(hif8_round_reference(scaled.double()), "HIF8")
+        codes = encode_reference(hif8_round_reference(scaled, torch.float32), "HIF8", torch.float32)
     else:
         codes = scaled.to(fmt.data_dtype).view(torch.uint8)
     codes = torch.where(finite, codes, fmt.nan_code)
