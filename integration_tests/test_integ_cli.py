@@ -5,7 +5,6 @@ checkpoint every 2. An uninterrupted run is the reference; the other runs stop, 
 lose a worker and must end with bit-identical weights (the exported safetensors).
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -52,7 +51,9 @@ def weights(output) -> dict[str, torch.Tensor]:
 
 
 def metrics(output) -> list[dict]:
-    return [json.loads(line) for line in (Path(output) / "metrics.jsonl").read_text().splitlines()]
+    from fsdp_turbo.cli.metrics import read_rows
+
+    return read_rows(Path(output) / "metrics.jsonl")
 
 
 def assert_same_weights(got, expected):
@@ -122,7 +123,9 @@ def test_a_job_from_a_checkpoint_trains_as_the_job_from_its_config(job_file, ref
 def test_resume_after_a_clean_stop_continues_exactly(job_file, reference, tmp_path):
     train(job_file, tmp_path, 2, "--stop-at-step", 3)
     assert not (tmp_path / "final").exists() and (tmp_path / "checkpoints" / "step-3").is_dir()
+    before = (tmp_path / "metrics.jsonl").read_text()
     train(job_file, tmp_path)
+    assert (tmp_path / "metrics.jsonl").read_text().startswith(before)  # appended, never rewritten
     timing = ("tokens_per_s", "tflops_per_rank", "peak_memory_mib")  # measured, so they differ
     assert metrics(tmp_path) == [{**row, **{k: r[k] for k in timing}}
                                  for row, r in zip(metrics(reference), metrics(tmp_path), strict=True)]
@@ -142,7 +145,7 @@ def test_a_four_rank_checkpoint_resumes_at_two_ranks(job_file, tmp_path):
 
 
 def test_kill_9_of_a_worker_recovers_bit_identically(job_file, reference, tmp_path):
-    result = train(job_file, tmp_path, 2, "--max-restarts", 1, env={"FSDP_TURBO_KILL_AT_STEP": "5:1"})
+    result = train(job_file, tmp_path, 2, "--max-restarts", 1, env={"FSDP_TURBO_TEST_HOOK_KILL_AT_STEP": "5:1"})
     assert "exitcode: -9" in result.stderr  # torchrun saw the SIGKILL, restarted the group ...
     assert "resumed from" in result.stderr and "step-4 at step 4" in result.stderr  # ... which resumed
     assert_same_weights(weights(tmp_path), weights(reference))
@@ -150,7 +153,7 @@ def test_kill_9_of_a_worker_recovers_bit_identically(job_file, reference, tmp_pa
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint(job_file, reference, tmp_path):
-    crashed = train(job_file, tmp_path, 2, env={"FSDP_TURBO_CRASH_DURING_SAVE_AT_STEP": "4"}, check=False)
+    crashed = train(job_file, tmp_path, 2, env={"FSDP_TURBO_TEST_HOOK_CRASH_DURING_SAVE_AT_STEP": "4"}, check=False)
     assert crashed.returncode != 0
     checkpoints = tmp_path / "checkpoints"
     assert (checkpoints / "step-2" / "meta.json").is_file() and (checkpoints / "step-4.partial").is_dir()

@@ -26,8 +26,22 @@ from fsdp_turbo.core.logging import get_logger
 _log = get_logger(__name__)
 _STEP = re.compile(r"^step-(\d+)$")
 META = "meta.json"
-# Fault injection for the tests: exit this process after its shards are written, before the rename.
-CRASH_DURING_SAVE_ENV = "FSDP_TURBO_CRASH_DURING_SAVE_AT_STEP"
+# A test hook, not a setting: exit this process after its shards are written, before the rename.
+CRASH_DURING_SAVE_ENV = "FSDP_TURBO_TEST_HOOK_CRASH_DURING_SAVE_AT_STEP"
+
+
+def fsync_tree(folder: Path, *, files: bool = True) -> None:
+    """Flush ``folder``'s files (all of them, whoever wrote them) and the folder's own entry list."""
+    if files:
+        for path in folder.rglob("*"):
+            if path.is_file():
+                with path.open("rb") as handle:
+                    os.fsync(handle.fileno())
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _barrier() -> None:
@@ -78,8 +92,10 @@ def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, o
         os._exit(17)
     if rank == 0:
         (partial / META).write_text(json.dumps({"step": step, **extra}, indent=1), encoding="utf-8")
+        fsync_tree(partial)  # every rank's files and the folder itself are on disk before the rename
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
+        fsync_tree(final.parent, files=False)
         for _, old in complete_checkpoints(output_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()

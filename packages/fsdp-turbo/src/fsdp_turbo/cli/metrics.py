@@ -19,25 +19,42 @@ def peak_tflops(device_name: str | None) -> float | None:
     return next((peak for key, peak in PEAK_TFLOPS.items() if key.lower() in device_name.lower()), None)
 
 
+RESUMED = "resumed_at_step"
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    """The training curve: one row per step. The file is only ever appended to; a resume
+    appends ``{"resumed_at_step": N}``, after which the rows past step N written before it
+    (by the run that was interrupted) no longer count."""
+    curve: list[dict[str, Any]] = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if RESUMED in row:
+            curve = [r for r in curve if r["step"] <= row[RESUMED]]
+        else:
+            curve.append(row)
+    return curve
 
 
 class MetricsLog:
-    """Appends one JSON row per step. On resume the rows after the resumed step are dropped,
-    so the file holds one continuous curve."""
+    """Appends one JSON row per step, and a marker when a run resumes (see ``read_rows``).
+    Never rewritten, so a crash cannot lose what was written before it."""
 
     def __init__(self, output_dir: str | Path, resumed_step: int) -> None:
         self.path = Path(output_dir) / METRICS
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        rows = self.rows() if self.path.exists() else []
-        kept = [r for r in rows if r["step"] <= resumed_step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        if self.path.exists():
+            self._append({RESUMED: resumed_step})
 
     def rows(self) -> list[dict[str, Any]]:
         return read_rows(self.path)
 
     def write(self, row: dict[str, Any]) -> None:
+        self._append(row)
+
+    def _append(self, row: dict[str, Any]) -> None:
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(row) + "\n")
 

@@ -26,8 +26,9 @@ from fsdp_turbo.core.device import current_device, device_name, peak_memory_byte
 from fsdp_turbo.core.logging import get_logger
 
 _log = get_logger("fsdp_turbo.cli.worker")  # not "__main__" under python -m
-# Fault injection for the tests: "STEP:RANK" SIGKILLs that rank at that step, first attempt only.
-KILL_ENV = "FSDP_TURBO_KILL_AT_STEP"
+# A test hook, not a setting (named so no user sets it by accident): "STEP:RANK" SIGKILLs
+# that rank at that step, on the first attempt only.
+KILL_ENV = "FSDP_TURBO_TEST_HOOK_KILL_AT_STEP"
 
 
 def _maybe_kill(step: int, rank: int) -> None:
