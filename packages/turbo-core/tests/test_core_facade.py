@@ -78,3 +78,43 @@ def test_head_count_must_divide_tp_times_cp():
     with pytest.raises(ConfigError) as info:
         plan_transforms(config, tiny_hf_causal_lm("llama"), _state(config, 3))
     assert "num_attention_heads=4" in str(info.value)
+
+
+# One non-default value for every field a feature owns (core.features.FEATURE_FIELDS).
+OFF_FEATURE_VALUES = {
+    "tp_plan": {"colwise_parallel": ["*.q_proj"], "sequence_parallel": ["*norm"], "loss_parallel": True},
+    "ep_plan": {"dispatcher": "eager"},
+    "expert_fully_shard_parallel_size": 1,
+    "cp_plan": {"attention_function": "torch.nn.functional.scaled_dot_product_attention"},
+    "recompute_plan": ["model.layers.*"],
+    "recompute_policy": "selective",
+    "chunk_loss_plan": {"chunk_size": 8},
+    "swap_activation_plan": ["model.layers.*"],
+    "swap_activation_force": True,
+    "compile_plan": ["model.layers.*"],
+    "compile_backend": "aot_eager",
+    "swap_optimizer_force": True,
+}
+
+
+def test_every_field_a_feature_owns_is_covered():
+    from fsdp_turbo.core.features import FEATURE_FIELDS
+
+    assert {f for fields in FEATURE_FIELDS.values() for f in fields} == set(OFF_FEATURE_VALUES)
+
+
+@pytest.mark.parametrize("field", list(OFF_FEATURE_VALUES))
+def test_a_plan_for_a_feature_that_is_off_is_named_in_one_warning(field, caplog):
+    """One rule for every such field: the model is built as if it were absent, and one
+    rank-0 warning names it (so one config serves jobs of several sizes)."""
+    import logging
+
+    plain = tiny_hf_causal_lm("llama", seed=3)
+    with caplog.at_level(logging.WARNING, logger="fsdp_turbo"):
+        model = FSDPTurbo({field: OFF_FEATURE_VALUES[field]}, tiny_hf_causal_lm("llama", seed=3))
+    warnings = [r.getMessage() for r in caplog.records if "features are off" in r.getMessage()]
+    assert len(warnings) == 1 and f"{field} (" in warnings[0]
+    assert list(model.fsdp_turbo_plans) == []  # nothing applied
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, plain(input_ids=ids, labels=ids).loss,
+                               rtol=0, atol=0)

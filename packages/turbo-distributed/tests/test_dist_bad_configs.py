@@ -24,8 +24,6 @@ CASES = {
     "tp_without_plan": ({"tensor_parallel_size": 2}, "tp_plan"),
     "heads_not_divisible_by_tp": ({"tensor_parallel_size": 4, "tp_plan": {"colwise_parallel": ["*.q_proj"]}},
                                   "tensor_parallel_size*context_parallel_size"),
-    "sequence_parallel_without_tp": ({"tp_plan": {"colwise_parallel": ["*.q_proj"], "sequence_parallel": ["*norm"]}},
-                                     "tp_plan.sequence_parallel"),
     "heads_not_divisible_by_cp": ({"context_parallel_size": 4}, "tensor_parallel_size*context_parallel_size"),
     "cp_attention_function_does_not_import": ({"context_parallel_size": 2,
                                                "cp_plan": {"attention_function": "no_such_package.attention"}},

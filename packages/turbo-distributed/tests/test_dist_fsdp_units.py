@@ -65,3 +65,35 @@ def test_the_plan_names_who_prefetches_whom():
                                       (layer(2), (experts[1], layer(1), experts[0], layer(0))),
                                       ("lm_head", (experts[2], layer(2), experts[1], layer(1))),
                                       ("", (layer(2),)))  # the root skips the chunked-loss head
+
+
+def _one_process_bf16() -> dict:
+    import os
+
+    import torch
+
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        os.environ.pop(name, None)
+    model = FSDPTurbo({"fsdp_plan": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}},
+                      tiny_hf_causal_lm("llama"))
+    seen = []
+    model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(
+        lambda module, args: seen.append((module.weight.dtype, args[0].dtype)))
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    return {"seen": seen, "plans": list(model.fsdp_turbo_plans), "world": model.parallel_state.world_size,
+            "grad": model.model.layers[0].self_attn.q_proj.weight.grad.dtype}
+
+
+def test_fsdp_plan_applies_in_a_single_process():
+    """A one-GPU user asking for bf16 gets bf16: a one-rank FSDP2, no launcher needed."""
+    import torch
+
+    from fsdp_turbo.core.testing import run_reference
+
+    result = run_reference(_one_process_bf16, timeout=120)
+    assert result["plans"] == ["fully_shard"] and result["world"] == 1
+    assert result["seen"] == [(torch.bfloat16, torch.bfloat16)]
+    assert result["grad"] == torch.float32  # fp32 master weights, gradients reduced in fp32

@@ -22,7 +22,7 @@ from torch import nn
 from fsdp_turbo.core.blueprint import guard_meta_model, has_meta_tensors, record_blueprint
 from fsdp_turbo.core.device import backend_for, current_device, detect_device_type
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.core.features import Feature, requested_features
+from fsdp_turbo.core.features import Feature, ignored_fields, requested_features
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.model_inspect import attention_heads
 from fsdp_turbo.core.parallel_state import ParallelSizes, ParallelState
@@ -90,6 +90,10 @@ def plan_transforms(config: FSDPTurboConfig, model: nn.Module, state: ParallelSt
     for feature in requested_features(config, state):
         if transforms.get(feature.transform) is None:
             raise _missing_feature_error(feature, config)
+    ignored = ignored_fields(config, state)
+    if ignored:
+        _log.warning("ignored, their features are off: " + ", ".join(f"{field} ({feature} is off)"
+                                                                      for field, feature in ignored.items()))
     enabled = [t for t in transforms.all() if t.is_enabled(config, state)]
     plans: dict[str, FeaturePlan] = {}
     for transform in planning_order(enabled):
@@ -98,12 +102,14 @@ def plan_transforms(config: FSDPTurboConfig, model: nn.Module, state: ParallelSt
     return [Planned(transform, plans[transform.name]) for transform in enabled]
 
 
-def _ensure_process_group(state: ParallelState) -> None:
-    if state.world_size == 1 or state.distributed:
+def _ensure_process_group(state: ParallelState, planned: list[Planned]) -> None:
+    if state.distributed or (state.world_size == 1 and not any(t.name == "fully_shard" for t, _ in planned)):
         return
     device = current_device(state.device_type)
-    dist.init_process_group(backend=backend_for(state.device_type),
-                            device_id=device if device.type != "cpu" else None)
+    options = {"device_id": device if device.type != "cpu" else None}
+    if state.world_size == 1:  # one process with an fsdp_plan: a one-rank group, no launcher needed
+        options.update(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend=backend_for(state.device_type), **options)
     state.distributed = True
 
 
@@ -122,7 +128,7 @@ def FSDPTurbo(config: FSDPTurboConfig | Mapping[str, Any] | str | Path, model: M
     state = ParallelState.create(sizes, rank, detect_device_type(config.device_type))
     planned = plan_transforms(config, model, state)
     record_blueprint(model)
-    _ensure_process_group(state)
+    _ensure_process_group(state, planned)
     for transform, plan in planned:
         _log.info(f"applying {transform.name}")
         model = transform.apply(model, plan, state)

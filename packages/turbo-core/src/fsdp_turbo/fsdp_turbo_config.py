@@ -5,13 +5,16 @@ afterwards. World-size checks run in ``FSDPTurboConfig.validate(world_size)``,
 before any collective. Configs load from a dict, a YAML file or a TOML file.
 
 What each ``*_plan`` field is, and what turns its feature on (the one rule for the
-latter lives in ``core.features.FEATURES``):
+latter lives in ``core.features.FEATURES``). A plan whose feature is off is ignored and
+named in one warning on rank 0 (``core.features.FEATURE_FIELDS``), so one config serves
+jobs of several sizes:
 
 =====================  =======================  ============================================
 field                  holds                    its feature is on when
 =====================  =======================  ============================================
 fsdp_plan              FSDPPlanConfig           the job is launched (world > 1, or a process
-                                                group exists): settings, never a switch
+                                                group exists), or the plan is set: then one
+                                                process gets a one-rank FSDP too
 tp_plan                TPPlanConfig             tensor_parallel_size > 1
 ep_plan                EPPlanConfig             expert_parallel_size > 1
 cp_plan                CPPlanConfig (or None)   context_parallel_size > 1
@@ -279,29 +282,17 @@ class FSDPTurboConfig(ConfigSection):
             raise ConfigError("tp_plan", self.tp_plan,
                               "give TPPlanConfig(colwise_parallel=[...], rowwise_parallel=[...])",
                               reason=f"tensor_parallel_size={tp} needs a plan")
-        if tp == 1 and self.tp_plan is not None:
-            if self.tp_plan.sequence_parallel:
-                raise ConfigError("tp_plan.sequence_parallel", list(self.tp_plan.sequence_parallel),
-                                  "set tensor_parallel_size > 1 or drop sequence_parallel",
-                                  reason="sequence parallel needs tensor parallel")
-            if self.tp_plan.loss_parallel:
-                raise ConfigError("tp_plan.loss_parallel", True, "set tensor_parallel_size > 1",
-                                  reason="loss parallel needs tensor parallel")
+        # A plan for a feature that is off is not an error: the facade names it in one warning
+        # (core.features.FEATURE_FIELDS), so one config serves jobs of different sizes.
         if self.expert_parallel_size > 1 and self.ep_plan is None:
             raise ConfigError("ep_plan", None, "give EPPlanConfig(apply_modules=['*mlp.experts*'])",
                               reason=f"expert_parallel_size={self.expert_parallel_size} needs a plan")
-        if self.expert_fully_shard_parallel_size is not None and self.ep_plan is None:
-            raise ConfigError("expert_fully_shard_parallel_size", self.expert_fully_shard_parallel_size,
-                              "give ep_plan=EPPlanConfig(...) or drop the field")
 
     def _check_memory_fields(self) -> None:
         for flag, plan in (("recompute", "recompute_plan"), ("swap_activation", "swap_activation_plan"),
                            ("compile", "compile_plan")):
             check_bool(getattr(self, flag), flag)
             _set(self, plan, check_optional_patterns(getattr(self, plan), plan))
-            if getattr(self, plan) is not None and not getattr(self, flag):
-                raise ConfigError(plan, list(getattr(self, plan)), f"set {flag}=True or drop {plan}",
-                                  reason=f"{flag} is off, so the plan would do nothing")
         policy = self.recompute_policy
         if isinstance(policy, str):
             _set(self, "recompute_policy", check_choice(policy, "recompute_policy", RECOMPUTE_POLICIES))

@@ -15,6 +15,7 @@ from collections import defaultdict
 from fsdp_turbo.cli.job_config import JobConfig
 from fsdp_turbo.cli.model import build_model
 from fsdp_turbo.core.device import detect_device_type
+from fsdp_turbo.core.features import ignored_fields
 from fsdp_turbo.core.memory_estimate import MemoryEstimate, MemoryModel
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.fsdp_turbo import plan_transforms
@@ -71,6 +72,9 @@ def make_plan(job: JobConfig, world_size: int | None = None) -> tuple[list[str],
         lines.append(f"        {rank:4d}  {coords['dp_replicate']:12d}  {coords['fsdp']:4d}  {coords['cp']:2d}  "
                      f"{coords['tp']:2d}  |  {coords['edp']:3d}  {coords['efsdp']:5d}  {coords['ep']:2d}")
     lines.append(weights)
+    ignored = ignored_fields(job.turbo, state)
+    if ignored:
+        lines.append("ignored, their features are off: " + ", ".join(ignored))
     lines.append("patterns:")
     for _, plan in planned:
         for row in plan.describe():

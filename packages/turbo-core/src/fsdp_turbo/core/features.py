@@ -8,6 +8,7 @@ reads only the config and the parallel state, never a feature package.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,9 +26,13 @@ class Feature:
     requested: Callable[[FSDPTurboConfig, ParallelState], bool]
 
 
-def _launched(config: FSDPTurboConfig, state: ParallelState) -> bool:
-    # Any launched job shards, even a world of one: it still gets mixed precision and offload.
-    return state.world_size > 1 or state.distributed
+def _fully_shard(config: FSDPTurboConfig, state: ParallelState) -> bool:
+    # Any launched job shards, even a world of one. So does a single process whose fsdp_plan
+    # asks for something only FSDP gives (mixed precision, offload, ignored modules): the
+    # facade then makes a one-rank process group, so the plan is never silently dropped.
+    from fsdp_turbo.fsdp_turbo_config import FSDPPlanConfig
+
+    return state.world_size > 1 or state.distributed or config.fsdp_plan != FSDPPlanConfig()
 
 
 FEATURES: tuple[Feature, ...] = (
@@ -39,7 +44,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("chunk_loss", "turbo-memory", "chunk_loss", lambda c, s: c.chunk_loss),
     Feature("swap_activation", "turbo-memory", "swap_activation", lambda c, s: c.swap_activation),
     Feature("compile", "turbo-core", "compile", lambda c, s: c.compile),
-    Feature("fully_shard", "turbo-distributed", "fully_shard_parallel_size", _launched),
+    Feature("fully_shard", "turbo-distributed", "fully_shard_parallel_size", _fully_shard),
     Feature("swap_optimizer", "turbo-memory", "swap_optimizer", lambda c, s: c.swap_optimizer),
 )
 
@@ -50,3 +55,28 @@ def feature_named(transform: str) -> Feature | None:
 
 def requested_features(config: FSDPTurboConfig, state: ParallelState) -> list[Feature]:
     return [feature for feature in FEATURES if feature.requested(config, state)]
+
+
+# The config fields that belong to one feature. When that feature is off, a field set to
+# anything but its default is ignored, and named in one rank-0 warning: a config shared
+# across sizes (TP on one job, off on another) still runs. (fsdp_plan is absent: setting it
+# turns FSDP on; quantization_plan is its feature's switch.)
+FEATURE_FIELDS: dict[str, tuple[str, ...]] = {
+    "tensor_parallel": ("tp_plan",),
+    "expert_parallel": ("ep_plan", "expert_fully_shard_parallel_size"),
+    "context_parallel": ("cp_plan",),
+    "recompute": ("recompute_plan", "recompute_policy"),
+    "chunk_loss": ("chunk_loss_plan",),
+    "swap_activation": ("swap_activation_plan", "swap_activation_force"),
+    "compile": ("compile_plan", "compile_backend"),
+    "swap_optimizer": ("swap_optimizer_force",),
+}
+
+
+def ignored_fields(config: FSDPTurboConfig, state: ParallelState) -> dict[str, str]:
+    """Field -> the feature that is off, for every field set that its feature will not use."""
+    on = {feature.transform for feature in requested_features(config, state)}
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(config)}
+    return {name: feature for feature, names in FEATURE_FIELDS.items() if feature not in on
+            for name in names if getattr(config, name) != defaults[name]}
