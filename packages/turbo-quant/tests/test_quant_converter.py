@@ -84,3 +84,22 @@ def test_facade_converts_first_and_trains():
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+def test_what_a_converter_leaves_out_is_named_and_nothing_to_convert_is_an_error(caplog):
+    import logging
+
+    from fsdp_turbo.quantization.converter import plan_conversion
+
+    model = tiny_hf_causal_lm("llama")  # k_proj / v_proj: 32 out features
+    conversions, skipped = plan_conversion(model, QuantizeConfig(block_size=64))
+    left = dict(skipped)
+    assert "output head" in left["lm_head"]
+    assert "out_features=32 not divisible by block_size=64" in left["model.layers.0.self_attn.k_proj"]
+    assert not {c.name for c in conversions} & set(left)
+    with caplog.at_level(logging.WARNING, logger="fsdp_turbo"):
+        FSDPTurbo({"quantization_plan": {"block_size": 64}}, tiny_hf_causal_lm("llama"))
+    assert any("left 5 module(s) in high precision" in r.getMessage() and "k_proj" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(ConfigError, match="it converts nothing"):
+        FSDPTurbo({"quantization_plan": {"block_size": 1024}}, tiny_hf_causal_lm("llama"))

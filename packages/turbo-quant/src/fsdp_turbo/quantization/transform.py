@@ -20,9 +20,15 @@ _log = get_logger(__name__)
 class QuantizePlan(FeaturePlan):
     conversions: tuple[Conversion, ...]
     recipe: MXRecipe
+    skipped: tuple[tuple[str, str], ...] = ()  # (module, why) a converter handles but leaves out
 
     def describe(self) -> tuple[PlanRow, ...]:
-        return (PlanRow("quantization_plan", tuple(f"{c.name} ({c.converter})" for c in self.conversions)),)
+        rows = [PlanRow("quantization_plan", tuple(f"{c.name} ({c.converter})" for c in self.conversions))]
+        by_reason: dict[str, list[str]] = {}
+        for name, why in self.skipped:
+            by_reason.setdefault(why, []).append(name)
+        rows += [PlanRow(f"quantization_plan (left out: {why})", tuple(names)) for why, names in by_reason.items()]
+        return tuple(rows)
 
 
 def tensor_parallel_unsuitable(model: nn.Module, tp: SplitsParameters, block: int) -> dict[str, str]:
@@ -55,12 +61,15 @@ class QuantizeTransform(Transform):
              upstream: Plans) -> QuantizePlan:
         settings, tp = config.quantization_plan, upstream["tensor_parallel"]
         unsuitable = tensor_parallel_unsuitable(model, tp, settings.block_size) if tp is not None else {}
-        conversions = plan_conversion(model, settings, unsuitable=unsuitable)
-        return QuantizePlan(tuple(conversions), MXRecipe.from_config(settings))
+        conversions, skipped = plan_conversion(model, settings, unsuitable=unsuitable)
+        return QuantizePlan(tuple(conversions), MXRecipe.from_config(settings), tuple(skipped))
 
     def apply(self, model: nn.Module, plan: QuantizePlan, parallel_state: ParallelState) -> nn.Module:
         apply_conversions(model, plan.conversions, plan.recipe)
         recipe = plan.recipe
         _log.info(f"quantize: {len(plan.conversions)} modules to {recipe.quant_format} blocks of {recipe.block_size} "
                   f"({recipe.scale_mode})")
+        if plan.skipped:
+            _log.warning(f"quantize: left {len(plan.skipped)} module(s) in high precision: "
+                         + "; ".join(f"{name} ({why})" for name, why in plan.skipped))
         return model

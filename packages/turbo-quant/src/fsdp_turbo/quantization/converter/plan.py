@@ -50,7 +50,8 @@ def _default_exclusions(model: nn.Module) -> dict[str, str]:
     return excluded
 
 
-def plan_conversion(model: nn.Module, plan, *, unsuitable: Mapping[str, str] | None = None) -> list[Conversion]:
+def plan_conversion(model: nn.Module, plan, *, unsuitable: Mapping[str, str] | None = None
+                    ) -> tuple[list[Conversion], list[tuple[str, str]]]:
     """Resolve ``plan`` (a ``QuantizeConfig``) on ``model``.
 
     Default (no ``apply_modules``): every module a converter handles, except the output head,
@@ -58,6 +59,9 @@ def plan_conversion(model: nn.Module, plan, *, unsuitable: Mapping[str, str] | N
     With ``apply_modules``: the convertible modules at or under each match; a head, a router
     or an unsupported module among them is a ConfigError (exclude it with ``ignored_modules``).
     ``unsuitable`` adds modules the caller knows cannot convert (name -> why), treated alike.
+    Returns the conversions and the modules a converter handles but that are left out, each
+    with why (``ignored_modules`` aside: those the user left out). Converting nothing at all
+    is a ConfigError.
     """
     converters = _converters(plan.converters)
     recipe = MXRecipe.from_config(plan)
@@ -66,7 +70,7 @@ def plan_conversion(model: nn.Module, plan, *, unsuitable: Mapping[str, str] | N
     picked = (list(match_modules(model, plan.apply_modules, field=f"{FIELD}.apply_modules"))
               if plan.apply_modules is not None else None)
     excluded = {**_default_exclusions(model), **(unsuitable or {})}
-    conversions = []
+    conversions, skipped = [], []
     for name, module in model.named_modules():
         converter = next((c for c in converters if c.handles(module)), None)
         if converter is None or any(_inside(name, skip) for skip in ignored):
@@ -78,13 +82,18 @@ def plan_conversion(model: nn.Module, plan, *, unsuitable: Mapping[str, str] | N
             if picked is not None:
                 raise ConfigError(f"{FIELD}.apply_modules", name, f"add {name!r} to ignored_modules",
                                   reason=f"{converter.name} cannot or should not convert it: {problem}")
+            skipped.append((name, problem))
             continue
         conversions.append(Conversion(name, converter.name))
     if picked is not None and not conversions:
         raise ConfigError(f"{FIELD}.apply_modules", list(plan.apply_modules),
                           f"pick modules one of {[c.name for c in converters]} can convert",
                           reason="the patterns match no convertible module")
-    return conversions
+    if not conversions:
+        left = "; ".join(f"{n}: {why}" for n, why in skipped[:4]) or "no module of a kind they convert"
+        raise ConfigError(FIELD, plan.quant_format, "drop quantization_plan, or change block_size / ignored_modules "
+                          "so that something converts", reason=f"it converts nothing ({left})")
+    return conversions, skipped
 
 
 def apply_conversions(model: nn.Module, conversions: list[Conversion] | tuple[Conversion, ...],
@@ -97,4 +106,5 @@ def apply_conversions(model: nn.Module, conversions: list[Conversion] | tuple[Co
 
 def convert_model(model: nn.Module, plan, *, unsuitable: Mapping[str, str] | None = None) -> dict[str, str]:
     """Convert in place what ``plan`` (a ``QuantizeConfig``) picks; returns ``{module name: converter name}``."""
-    return apply_conversions(model, plan_conversion(model, plan, unsuitable=unsuitable), MXRecipe.from_config(plan))
+    conversions, _ = plan_conversion(model, plan, unsuitable=unsuitable)
+    return apply_conversions(model, conversions, MXRecipe.from_config(plan))
