@@ -89,10 +89,11 @@ class TinyAttentionLM(nn.Module):
     """A one-layer LM that calls ``cp_jobs.core_attention`` and follows the CP input contract
     (``position_ids``, pre-shifted ``shift_labels`` and ``num_items_in_batch``)."""
 
-    def __init__(self, vocab: int = 256, hidden: int = 64, heads: int = 4) -> None:
+    def __init__(self, vocab: int = 256, hidden: int = 64, heads: int = 4, attention=None) -> None:
         super().__init__()
         seed_everything(3)
         self.heads = heads
+        self.attention = attention  # a function bound now (as `from x import f` does), else looked up
         self.embed = nn.Embedding(vocab, hidden)
         self.position = nn.Embedding(64, hidden)
         self.qkv = nn.Linear(hidden, 3 * hidden)
@@ -111,7 +112,8 @@ class TinyAttentionLM(nn.Module):
             position_ids = torch.arange(seq).expand(batch, seq)
         x = self.embed(input_ids) + self.position(position_ids)
         q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
-        attended = cp_jobs.core_attention(q, k, v).transpose(1, 2).flatten(2)
+        attention = self.attention or cp_jobs.core_attention
+        attended = attention(q, k, v).transpose(1, 2).flatten(2)
         logits = self.head(x + self.out(attended))
         if labels is None:
             return logits
@@ -135,3 +137,27 @@ def tiny_lm_cp_run(batches, config):
     model = FSDPTurbo(config, TinyAttentionLM())
     state = model.parallel_state
     return train_steps(model, [shard_rows(b, state.dp_rank, state.dp_size) for b in batches], loss_fn=tiny_lm_loss)
+
+
+def cp_with_attention_bound_early(config):
+    from distributed_jobs import BATCHES
+
+    """The model keeps the function it bound at construction, so CP's replacement never runs."""
+
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    model = FSDPTurbo(config, TinyAttentionLM(attention=core_attention))
+    batch = BATCHES[0][:1]
+    model(input_ids=batch, labels=batch)
+    return "ran"
+
+
+def cp_with_output_attentions():
+    from distributed_jobs import BATCHES
+
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    model = FSDPTurbo({"context_parallel_size": 2}, tiny_hf_causal_lm("llama"))
+    batch = BATCHES[0][:1]
+    model(input_ids=batch, labels=batch, output_attentions=True)
+    return "ran"

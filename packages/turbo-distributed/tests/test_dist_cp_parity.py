@@ -15,6 +15,7 @@ from cp_jobs import (
 )
 from distributed_jobs import BATCHES
 
+from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 
 pytest.importorskip("transformers")
@@ -95,3 +96,18 @@ def test_cp2_x_ep2_moe_sees_local_tokens():
     config = {"context_parallel_size": 2, "expert_parallel_size": 2, "ep_plan": {"dispatcher": "mc2"}}
     for record, _, _ in run_distributed(ep_run, 4, "qwen3_moe", BATCHES, config, timeout=300):
         assert_parity(expected, record, **TOL)
+
+
+def test_a_model_that_bound_its_attention_early_is_refused_on_every_rank():
+    from cp_jobs import cp_with_attention_bound_early
+
+    config = {"context_parallel_size": 2, "cp_plan": {"attention_function": "cp_jobs.core_attention"}}
+    errors = run_distributed(cp_with_attention_bound_early, 2, config, timeout=120, return_exceptions=True)
+    assert all(isinstance(e, ConfigError) and "ran in 0 of 1 attention layers" in str(e) for e in errors), errors
+
+
+def test_output_attentions_under_cp_is_refused_on_every_rank():
+    from cp_jobs import cp_with_output_attentions
+
+    errors = run_distributed(cp_with_output_attentions, 2, timeout=120, return_exceptions=True)
+    assert all(isinstance(e, ConfigError) and e.field == "output_attentions" for e in errors), errors

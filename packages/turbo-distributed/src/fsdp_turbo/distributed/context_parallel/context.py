@@ -13,6 +13,7 @@ import torch.distributed as dist
 class ForwardContext:
     seq_len: int  # the padded full sequence length, a multiple of cp
     padding_mask: torch.Tensor | None = None  # [B, seq_len] bool, True = a real token, or None
+    attention_calls: int = 0  # how many attention layers ran through the Ulysses wrapper
 
 
 @dataclass
@@ -23,3 +24,5 @@ class CPState:
     size: int
     rank: int
     current: ForwardContext | None = field(default=None)
+    attention_layers: int = 0  # the wrapper must run this many times a forward (0: not checked)
+    proven: bool = False  # the first forward showed that it does

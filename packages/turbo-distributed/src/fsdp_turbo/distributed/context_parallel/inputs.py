@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 
+from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.distributed.context_parallel.context import CPState, ForwardContext
 
 IGNORE_INDEX = -100
@@ -80,12 +81,43 @@ def split_inputs(state: CPState, kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _refuse_attention_weights(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    asked = kwargs.get("output_attentions")
+    if asked is None:
+        asked = getattr(getattr(module, "config", None), "output_attentions", False)
+    if asked:
+        raise ConfigError("output_attentions", True, "call the model without output_attentions under context "
+                          "parallel (or with context_parallel_size=1)",
+                          reason="each rank would return attention weights of its head shard only")
+
+
+def _prove_the_wrapper_ran(state: CPState) -> None:
+    # A model that imported its attention function by name (``from x import f``) keeps the
+    # original when CP replaces ``x.f``: its attention would then see only the local chunk.
+    calls = state.current.attention_calls if state.current is not None else 0
+    if calls < state.attention_layers:
+        raise ConfigError("cp_plan.attention_function", "not wrapped",
+                          "point cp_plan.attention_function at the name the model calls (the module that "
+                          "imported it, e.g. 'my_model.layers.attention'), or use an HF attn_implementation",
+                          reason=f"the Ulysses wrapper ran in {calls} of {state.attention_layers} attention layers, "
+                                 "so attention would cover only this rank's chunk")
+    state.proven = True
+
+
 def install_input_splitter(model: torch.nn.Module, state: CPState):
-    """Register the forward pre-hook on the root model; returns the hook handle."""
+    """Register the root's forward pre-hook (split the inputs) and, until the first forward
+    has shown that every attention layer ran through the wrapper, a forward hook that checks."""
 
     def hook(module, args, kwargs):
         if args:
             raise ValueError("context parallel: call the model with keyword arguments (input_ids=..., labels=...)")
+        _refuse_attention_weights(module, kwargs)
         return args, split_inputs(state, kwargs)
 
+    def check(module, args, output):
+        if not state.proven:
+            _prove_the_wrapper_ran(state)
+        return output
+
+    model.register_forward_hook(check)
     return model.register_forward_pre_hook(hook, with_kwargs=True)

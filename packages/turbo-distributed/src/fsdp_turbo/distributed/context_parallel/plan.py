@@ -40,6 +40,7 @@ class CPPlan(FeaturePlan):
 
     size: int
     target: CPTarget
+    attention_layers: int = 0  # the wrapper must run in this many layers each forward (0: unchecked)
 
     def describe(self) -> tuple[PlanRow, ...]:
         return (PlanRow("cp_plan (attention)", (self.target.describe(),)),)

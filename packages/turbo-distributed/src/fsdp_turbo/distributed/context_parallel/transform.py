@@ -9,6 +9,7 @@ from torch import nn
 
 from fsdp_turbo.core.hf import register_attention_function
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.model_inspect import repeated_blocks
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Plans, Stage, Transform
 from fsdp_turbo.distributed.context_parallel.context import CPState
@@ -39,7 +40,8 @@ def _install_function(target: CPTarget, state: CPState) -> str:
 def apply_cp_plan(model: nn.Module, plan: CPPlan, cp_mesh) -> CPState:
     """Install Ulysses as planned; ``cp_mesh`` is the 1-D CP mesh."""
     target = plan.target
-    state = CPState(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank())
+    state = CPState(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(),
+                    attention_layers=plan.attention_layers)
     where = _install_hf(model, state, target.hf_implementation) if target.hf_implementation else (
         _install_function(target, state))
     install_input_splitter(model, state)
@@ -51,7 +53,8 @@ def apply_cp_plan(model: nn.Module, plan: CPPlan, cp_mesh) -> CPState:
 
 def apply_context_parallel(model: nn.Module, plan: CPPlanConfig | None, cp_mesh) -> CPState:
     """Ulysses context parallel without the facade: resolve ``plan`` on ``model``, then install."""
-    return apply_cp_plan(model, CPPlan(cp_mesh.size(), resolve_cp_target(model, plan)), cp_mesh)
+    layers = len(repeated_blocks(model)) or 1
+    return apply_cp_plan(model, CPPlan(cp_mesh.size(), resolve_cp_target(model, plan), layers), cp_mesh)
 
 
 class ContextParallelTransform(Transform):
@@ -62,7 +65,10 @@ class ContextParallelTransform(Transform):
 
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
              upstream: Plans) -> CPPlan:
-        return CPPlan(parallel_state.cp_size, resolve_cp_target(model, config.cp_plan))
+        # Every repeated block (decoder layer) has one attention the wrapper must run in; a
+        # model without such blocks at least one.
+        return CPPlan(parallel_state.cp_size, resolve_cp_target(model, config.cp_plan),
+                      len(repeated_blocks(model)) or 1)
 
     def apply(self, model: nn.Module, plan: CPPlan, parallel_state: ParallelState) -> nn.Module:
         apply_cp_plan(model, plan, parallel_state.mesh("cp"))

@@ -67,6 +67,7 @@ def ulysses_hf_attention(state: CPState, inner: str) -> Callable[..., Any]:
     def attention(module, query, key, value, attention_mask, **kwargs):
         if state.current is None:
             raise RuntimeError("context-parallel attention ran outside a context-parallel forward")
+        state.current.attention_calls += 1
         cp, group = state.size, state.group
         kv_heads = replicated_kv_heads(key.shape[1], cp)
         qkv = torch.cat([query, replicate_kv(key, kv_heads), replicate_kv(value, kv_heads)], dim=1)
@@ -92,6 +93,8 @@ def ulysses_core_attention(state: CPState, inner: Callable[..., torch.Tensor]) -
     e.g. ``is_causal=True``. K/V heads must divide over CP (or be replicated by the caller)."""
 
     def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any):
+        if state.current is not None:
+            state.current.attention_calls += 1
         cp, group = state.size, state.group
         kv_heads = replicated_kv_heads(key.shape[1], cp)
         q = sequence_to_heads(query, group, cp)
