@@ -100,3 +100,15 @@ def test_npu_kernels_register_only_where_torch_npu_exists():
         assert "torch_npu" not in sys.modules  # importing turbo-distributed never imports it
     else:
         assert backend_of("ep.mc2", "npu") == "npu_mc2"
+
+
+@pytest.mark.multirank
+def test_the_npu_mc2_backend_matches_fused_on_a_torch_npu_stand_in():
+    """The NPU backend's glue, run against a stand-in torch_npu with the documented
+    dispatch/combine signatures (see npu_standin.py); forward-only, as the kernels are."""
+    from npu_standin import mc2_npu_vs_fused
+
+    from fsdp_turbo.core.testing import run_distributed
+
+    for difference in run_distributed(mc2_npu_vs_fused, 2, timeout=120):
+        assert difference < 1e-6, difference
