@@ -167,3 +167,22 @@ def test_config_errors_are_reported_before_launch(job_file, tmp_path):
     bad.write_text(yaml.safe_dump({**JOB, "turbo": {"expert_parallel_size": 3, "ep_plan": {}}}))
     result = fsdp_turbo("train", bad, "--nproc-per-node", 2, check=False)
     assert result.returncode == 2 and "expert_parallel_size=3" in result.stderr
+
+
+def test_a_non_finite_step_stops_the_job_and_keeps_the_last_good_checkpoint(job_file, tmp_path):
+    result = train(job_file, tmp_path, 2, env={"FSDP_TURBO_TEST_HOOK_NAN_LOSS_AT_STEP": "3"}, check=False)
+    assert result.returncode != 0
+    assert "step 3: loss nan" in result.stderr and "not finite; stopped" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2"]  # nothing of step 3 on
+    assert not (tmp_path / "final").exists()
+
+
+def test_run_nonfinite_skip_drops_the_step_counts_it_and_goes_on(tmp_path):
+    path = tmp_path / "skip.yaml"
+    path.write_text(yaml.safe_dump({**JOB, "run": {**JOB["run"], "nonfinite": "skip", "max_skipped": 2}}))
+    train(path, tmp_path / "out", 2, env={"FSDP_TURBO_TEST_HOOK_NAN_LOSS_AT_STEP": "3"})
+    rows = metrics(tmp_path / "out")
+    assert [r["step"] for r in rows] == list(range(1, 7)) and (tmp_path / "out" / "final").is_dir()
+    assert rows[2]["skipped"] is True and rows[2]["skipped_steps"] == 1
+    assert rows[3]["skipped"] is False and rows[-1]["skipped_steps"] == 1
+    assert rows[3]["lr"] == rows[2]["lr"]  # the schedule did not move on the dropped step

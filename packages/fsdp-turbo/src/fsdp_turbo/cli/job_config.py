@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.core.validation import ConfigSection, check_float, check_int
+from fsdp_turbo.core.validation import ConfigSection, check_choice, check_float, check_int
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
 
@@ -92,17 +92,25 @@ class OptimizerSection(ConfigSection):
 
 @dataclass(frozen=True)
 class RunSection(ConfigSection):
+    """``nonfinite``: on a non-finite loss or gradient norm, ``stop`` (the job fails, naming the
+    step; no checkpoint of that step is written) or ``skip`` the step (no update; counted in
+    the metrics; the job fails after ``max_skipped`` of them)."""
+
     _prefix: ClassVar[str] = "run"
 
     steps: int = 100
     micro_batch: int = 4
     grad_accum: int = 1
     seed: int = 0
+    nonfinite: str = "stop"
+    max_skipped: int = 10
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch", "grad_accum"):
             check_int(getattr(self, name), f"run.{name}", minimum=1)
         check_int(self.seed, "run.seed", minimum=0)
+        _set(self, "nonfinite", check_choice(self.nonfinite, "run.nonfinite", ("stop", "skip")))
+        check_int(self.max_skipped, "run.max_skipped", minimum=1)
 
 
 @dataclass(frozen=True)

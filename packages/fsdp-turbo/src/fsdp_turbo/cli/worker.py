@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import time
@@ -29,6 +30,15 @@ _log = get_logger("fsdp_turbo.cli.worker")  # not "__main__" under python -m
 # A test hook, not a setting (named so no user sets it by accident): "STEP:RANK" SIGKILLs
 # that rank at that step, on the first attempt only.
 KILL_ENV = "FSDP_TURBO_TEST_HOOK_KILL_AT_STEP"
+
+
+# A test hook: "STEP" makes that step's loss NaN on every rank (the non-finite guards' tests).
+NAN_ENV = "FSDP_TURBO_TEST_HOOK_NAN_LOSS_AT_STEP"
+
+
+class NonFiniteLoss(RuntimeError):
+    """A step gave a non-finite loss or gradient norm and the job was told to stop (or to skip,
+    and skipped too many)."""
 
 
 def _maybe_kill(step: int, rank: int) -> None:
@@ -55,6 +65,20 @@ def _flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     return 6 * params + 12 * layers * hidden * seq_len
 
 
+def _on_nonfinite(run, step: int, loss: float, grad_norm: float, skipped: int) -> int:
+    """Stop (raise), or count the skip; returns the skips so far."""
+    what = f"step {step}: loss {loss}, gradient norm {grad_norm}"
+    if run.nonfinite == "stop":
+        raise NonFiniteLoss(f"{what} is not finite; stopped (run.nonfinite=stop). The last checkpoint is the "
+                            "last good state: lower the learning rate, or set run.nonfinite=skip")
+    skipped += 1
+    _log.warning(f"{what} is not finite; step skipped ({skipped} of at most {run.max_skipped})")
+    if skipped >= run.max_skipped:
+        raise NonFiniteLoss(f"{skipped} steps skipped for non-finite values (run.max_skipped={run.max_skipped}); "
+                            f"stopped at step {step}")
+    return skipped
+
+
 def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None) -> dict:
     """Train ``job`` from its latest checkpoint (``resume``). ``stop_at_step`` ends the run
     cleanly after that step, with a checkpoint, as at the end of a time-limited allocation;
@@ -79,12 +103,12 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
     optimizer = build_optimizer(params, job.optimizer)
     scheduler = build_scheduler(optimizer, job.optimizer, run.steps)
     loader = PackedWindows(byte_tokens(resolve_files(job.data.files), job.data.max_bytes), job.data.seq_len, run.seed)
-    start = 0
+    start, skipped = 0, 0
     if checkpoint is not None:
         meta = load_checkpoint(checkpoint, model, optimizer)
         scheduler.load_state_dict(meta["scheduler"])
         loader.load_state_dict(meta["data"])
-        start = int(meta["step"])
+        start, skipped = int(meta["step"]), int(meta.get("skipped_steps", 0))
         _log.info(f"resumed from {checkpoint} at step {start}")
     metrics = MetricsLog(output, start) if rank0 else None
     device = current_device(state.device_type)
@@ -95,17 +119,24 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
     for step in range(start + 1, last + 1):
         began = time.perf_counter()
         total = torch.zeros((), device=device)
+        poison = float("nan") if os.environ.get(NAN_ENV) == str(step) else 1.0
         for _ in range(run.grad_accum):
             batch = loader.next_batch(run.micro_batch, state.dp_rank, state.dp_size).to(device)
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = model(input_ids=batch, labels=batch).loss * poison
             (loss / run.grad_accum).backward()
             total += loss.detach()
+        # Both are the same on every rank (a world mean, a global norm), so every rank decides alike.
+        loss_value = _world_mean(total / run.grad_accum)
         grad_norm = clip_grad_norm(params, job.optimizer.grad_clip)
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = _world_mean(total / run.grad_accum)
+        finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+        if not finite:
+            skipped = _on_nonfinite(run, step, loss_value, grad_norm, skipped)
+            optimizer.zero_grad(set_to_none=True)  # the step is dropped: no update
+        else:
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - began
         tokens_per_s = tokens_per_step / seconds
         tflops = flops_per_token * tokens_per_s / state.world_size / 1e12
@@ -113,6 +144,8 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
             peak_mib = peak_memory_bytes(device.type) / 2**20
             row = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                    "tokens_per_s": tokens_per_s, "tflops_per_rank": tflops, "peak_memory_mib": peak_mib}
+            if skipped:
+                row.update(skipped=not finite, skipped_steps=skipped)
             if peak:
                 row["mfu"] = tflops / peak
             metrics.write(row)
@@ -123,7 +156,7 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
         save_every = job.checkpoint.save_every
         if (save_every and step % save_every == 0) or step == last:
             extra = {"scheduler": scheduler.state_dict(), "data": loader.state_dict(),
-                     "world_size": state.world_size, "layout": state.describe()}
+                     "world_size": state.world_size, "layout": state.describe(), "skipped_steps": skipped}
             save_checkpoint(output, step, model, optimizer, extra, job.checkpoint.keep)
     bar.close()
     if last == run.steps:
