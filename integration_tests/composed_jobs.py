@@ -218,3 +218,27 @@ def compile_pair_run(kind: str, config: dict, model_kwargs: dict) -> tuple[Train
     compiled, facts = matrix_run(kind, {**config, "compile": True}, model_kwargs)
     return eager, compiled, {**facts, "graph_breaks": sum(counters["graph_break"].values()),
                              "graphs": counters["stats"]["unique_graphs"]}
+
+
+def resident_activations(swap: bool, layers: int = 3) -> dict:
+    """FSDP=2 x TP=2 with every layer recomputed, with and without the activation swap on
+    the same layers: the loss, and the saved activation bytes still on the device after
+    forward (MemTracker's activations less what the swap holds on the host)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    config = {**FSDP_TP, "recompute": True, "swap_activation": swap, "swap_activation_force": swap}
+    model = FSDPTurbo(config, tiny_hf_causal_lm("llama", num_hidden_layers=layers))
+    state = model.parallel_state
+    batch = shard_rows(BATCHES[0], state.dp_rank, state.dp_size)
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        loss = labelled_loss(model, batch)
+        activations = {str(k): v for k, v in tracker.get_tracker_snapshot("current")[torch.device("cpu")].items()}
+        swapper = getattr(model, "fsdp_turbo_activation_swapper", None)
+        on_host = swapper.stats.bytes_out - swapper.stats.bytes_in if swapper else 0
+        loss.backward()
+    return {"loss": float(loss.detach()), "device": activations["_MemRefType.ACT"] - on_host,
+            "swapped": swapper.stats.tensors_out if swapper else 0}

@@ -99,3 +99,17 @@ def test_chunked_head_as_its_own_fsdp_unit_matches(reference):
     for record, params in run_distributed(fsdp_head_unit_run, 4, timeout=300):
         assert_parity(ref_record, record, loss_rtol=1e-5, grad_rtol=1e-4, grad_atol=1e-6)
         _assert_params_close(params, ref_params)
+
+
+def test_recompute_and_activation_swap_stack_at_fsdp2_x_tp2():
+    """Both on the same layers: the swap moves what recompute keeps (each checkpointed layer's
+    inputs) to the host and back for the recomputation. The loss is exact, and less stays
+    on the device than with recompute alone."""
+    from composed_jobs import resident_activations
+
+    alone = run_distributed(resident_activations, 4, False, timeout=300)
+    both = run_distributed(resident_activations, 4, True, timeout=300)
+    for recompute_only, stacked in zip(alone, both, strict=True):
+        assert stacked["loss"] == recompute_only["loss"]
+        assert stacked["swapped"] >= 2  # layers 0 and 1 leave when the next one starts
+        assert stacked["device"] < recompute_only["device"], (stacked, recompute_only)

@@ -195,14 +195,17 @@ def test_plan_matching_nothing_is_a_config_error():
         FSDPTurbo(config, tiny_hf_causal_lm("llama", seed=0))
 
 
-def test_explicit_plan_and_recomputed_blocks_are_skipped():
+def test_recomputed_blocks_are_swapped_and_blocks_inside_them_are_skipped():
     model = tiny_hf_causal_lm("llama", seed=0, num_hidden_layers=3)
-    model.model.layers[1]._fsdp_turbo_recompute = True
-    config = FSDPTurboConfig(swap_activation=True, swap_activation_plan=["model.layers.*"],
+    config = FSDPTurboConfig(recompute=True, recompute_plan=["model.layers.{1-2}"], swap_activation=True,
+                             swap_activation_plan=["model.layers.{0-1}.mlp", "model.layers.2"],
                              swap_activation_force=True, device_type="cpu")
     model = FSDPTurbo(config, model)
-    assert not model.model.layers[1]._forward_pre_hooks
-    assert model.model.layers[0]._forward_pre_hooks and model.model.layers[2]._forward_pre_hooks
+    plan = model.fsdp_turbo_plans["swap_activation"]
+    assert plan.blocks == ("model.layers.0.mlp", "model.layers.2") and plan.recomputed == ("model.layers.2",)
+    assert plan.skipped == (("model.layers.1.mlp", "inside a recomputed block"),)  # its layer's recompute re-runs it
+    assert model.model.layers[0].mlp._forward_pre_hooks and model.model.layers[2]._forward_pre_hooks
+    assert not model.model.layers[1].mlp._forward_pre_hooks
 
 
 def test_composable_checkpoint_owns_its_module():
@@ -283,3 +286,29 @@ def test_dtensor_activations_are_swapped_as_local_tensors(cpu_mesh, copied):
     assert any(isinstance(p, DTensorHandle) for _, p in packs)
     param_storages = {_storage(p) for p in model.parameters()}
     assert copied and not {_storage(t) for t in copied} & param_storages
+
+
+def test_recompute_and_the_swap_stack_on_the_same_blocks():
+    """The swap moves what recompute keeps: each checkpointed layer's inputs (one [B, S, H]
+    tensor per layer but the last, which stays resident). Losses and gradients are exact."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    ids = _batches(1)[0]
+    results = {}
+    for swap in (False, True):
+        config = FSDPTurboConfig(recompute=True, swap_activation=swap, swap_activation_force=swap)
+        model = FSDPTurbo(config, tiny_hf_causal_lm("llama", seed=0, num_hidden_layers=4))
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            loss = model(input_ids=ids, labels=ids).loss
+            acts = {str(k): v for k, v in tracker.get_tracker_snapshot("current")[torch.device("cpu")].items()}
+            swapper = getattr(model, SWAPPER_ATTR, None)
+            on_host = swapper.stats.bytes_out - swapper.stats.bytes_in if swapper else 0
+            loss.backward()
+        results[swap] = (loss.detach(), acts["_MemRefType.ACT"] - on_host, model)
+    (loss_alone, device_alone, alone), (loss_both, device_both, both) = results[False], results[True]
+    assert torch.equal(loss_alone, loss_both)
+    _assert_same_grads(both, alone)
+    hidden_bytes = ids.numel() * 64 * 4  # one fp32 [B, S, H] layer input
+    assert device_alone - device_both == 3 * hidden_bytes

@@ -33,13 +33,19 @@ def _drop_kv_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
     return args, kwargs
 
 
+def hooks_own_saved_tensors(module: nn.Module) -> bool:
+    """Whether torch's composable ``checkpoint`` (applied by the user) holds this module's
+    saved tensors with its own hooks around the module call. Our recompute does not: it
+    wraps ``forward``, and the checkpoint saves the block's inputs as ordinary saved tensors,
+    which an activation swap around the block can move."""
+    state = checkpoint.state(module)
+    return state is not None and bool(getattr(state, "enable_hook", False))
+
+
 def is_recomputed(module: nn.Module) -> bool:
     """Whether activation checkpointing owns this module's saved tensors: ours, or torch's
     composable ``checkpoint`` applied by the user (it pushes its own saved-tensor hooks)."""
-    if getattr(module, RECOMPUTE_MARK, False):
-        return True
-    state = checkpoint.state(module)
-    return state is not None and bool(getattr(state, "enable_hook", False))
+    return bool(getattr(module, RECOMPUTE_MARK, False)) or hooks_own_saved_tensors(module)
 
 
 def _checkpoint_forward(module: nn.Module, context_fn: Callable[[], tuple] | None) -> None:

@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 from fsdp_turbo.core.device import detect_device_type, has_streams
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.model_inspect import is_dtensor, local_tensor
-from fsdp_turbo.memory.recompute.apply import is_recomputed
+from fsdp_turbo.memory.recompute.apply import hooks_own_saved_tensors
 from fsdp_turbo.memory.swap_activation.filters import (
     state_holders,
     state_storages,
@@ -121,10 +121,13 @@ class ActivationSwapper:
             _log.info(f"activation swap: no-op on {self.device_type!r} (no device memory to free); "
                       "use force=True to run the swap path anyway")
             return self
-        self.skipped = [i for i, module in enumerate(self._modules) if is_recomputed(module)]
+        # A block under our recompute swaps what the checkpoint keeps (its inputs); one under
+        # torch's composable checkpoint keeps them behind that checkpoint's own hooks.
+        self.skipped = [i for i, module in enumerate(self._modules) if hooks_own_saved_tensors(module)]
         if self.skipped:
-            _log.info(f"activation swap: skipping {len(self.skipped)} activation-checkpointed module(s) "
-                      f"{self.skipped}; their checkpoint hooks own the saved tensors")
+            _log.warning(f"activation swap: skipping {len(self.skipped)} module(s) {self.skipped} under torch's "
+                         "composable checkpoint, whose hooks own their saved tensors (use FSDPTurbo's recompute, "
+                         "which stacks with the swap)")
         for index, module in enumerate(self._modules):
             if index in self.skipped:
                 continue
