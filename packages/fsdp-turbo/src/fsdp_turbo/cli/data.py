@@ -87,5 +87,6 @@ class PackedWindows:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["windows"] != len(self) or state["seed"] != self.seed:
-            raise ValueError(f"the checkpoint's data ({state}) is not this job's ({self.state_dict()})")
+            raise ConfigError("data", self.state_dict(), "resume with the job's own data and run.seed, or --resume none",
+                              reason=f"the checkpoint was written for other data ({state})")
         self.consumed = int(state["consumed"])

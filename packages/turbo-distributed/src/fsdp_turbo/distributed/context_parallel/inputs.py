@@ -46,7 +46,8 @@ def split_inputs(state: CPState, kwargs: dict[str, Any]) -> dict[str, Any]:
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
     if tokens is None or tokens.dim() < 2:
-        raise ValueError("context parallel needs input_ids [batch, seq] (or inputs_embeds) as keyword arguments")
+        raise ConfigError("input_ids", None, "call the model with input_ids=[batch, seq] (or inputs_embeds) as a "
+                          "keyword argument", reason="context parallel splits the sequence of those")
     batch, seq_len = tokens.shape[:2]
     full = padded_length(seq_len, cp)
     extra, chunk = full - seq_len, full // cp
@@ -73,7 +74,8 @@ def split_inputs(state: CPState, kwargs: dict[str, Any]) -> dict[str, Any]:
     padding = None
     if mask is not None:
         if mask.dim() != 2:
-            raise ValueError("context parallel takes a 2-D padding attention_mask [batch, seq]")
+            raise ConfigError("attention_mask", tuple(mask.shape), "pass a 2-D padding mask [batch, seq]",
+                              reason="context parallel builds the full-sequence causal mask itself")
         padding = _pad(mask.bool(), extra, False)
         padding = None if bool(padding[:, :seq_len].all()) else padding
         out["attention_mask"] = None  # the wrapper builds the full-sequence mask itself
@@ -110,7 +112,8 @@ def install_input_splitter(model: torch.nn.Module, state: CPState):
 
     def hook(module, args, kwargs):
         if args:
-            raise ValueError("context parallel: call the model with keyword arguments (input_ids=..., labels=...)")
+            raise ConfigError("input_ids", "positional", "call the model with keyword arguments "
+                              "(input_ids=..., labels=...)", reason="context parallel reads them by name")
         _refuse_attention_weights(module, kwargs)
         return args, split_inputs(state, kwargs)
 

@@ -87,7 +87,8 @@ class SwapActivationTransform(Transform):
     def apply(self, model: nn.Module, plan: SwapActivationPlan, parallel_state: ParallelState) -> nn.Module:
         device_type = parallel_state.device_type
         if not plan.active:
-            _log.info(f"swap_activation: no-op on {device_type!r}; set swap_activation_force=True to run it anyway")
+            _log.warning(f"swap_activation skipped: {device_type!r} has no streams to overlap the copies with, "
+                         "and its host is its device; set swap_activation_force=True to run it anyway")
             return model
         if plan.skipped:
             _log.warning("swap_activation: skipping " + "; ".join(f"{name} ({why})" for name, why in plan.skipped))

@@ -98,8 +98,8 @@ class SwapOptimizerTransform(Transform):
     def apply(self, model: nn.Module, plan: SwapOptimizerPlan, parallel_state: ParallelState) -> nn.Module:
         device_type = parallel_state.device_type
         if not plan.active:
-            _log.info(f"swap_optimizer is a no-op on {device_type!r}: no streams to overlap copies with "
-                      "(set swap_optimizer_force=True to swap anyway)")
+            _log.warning(f"swap_optimizer skipped: {device_type!r} has no streams to overlap the copies with, "
+                         "and its host is its device; set swap_optimizer_force=True to swap anyway")
             return model
         previous = getattr(model, HANDLE_ATTR, None)
         if previous is not None:

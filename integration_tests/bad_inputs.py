@@ -1,0 +1,247 @@
+"""The bad-input suite's cases (importable by spawned ranks): each is a name, what it
+feeds, and the words the error must say. Every case runs on every rank and must raise
+the same clear error there, with no collective left waiting (the suite has a timeout)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+
+QKV = ["*.q_proj", "*.k_proj", "*.v_proj"]
+
+
+@dataclass(frozen=True)
+class Case:
+    category: str  # config, job file, data, checkpoint, runtime
+    run: Callable[[dict], Any]  # raises the error; gets the shared inputs (paths)
+    says: str  # a part of the message every rank must give
+    error: str = "ConfigError"  # the error's class name (CheckpointError is a ConfigError)
+
+
+def _facade(config: dict, kind: str = "llama", **model: Any):
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    return FSDPTurbo(config, tiny_hf_causal_lm(kind, **model))
+
+
+def _config(config: dict, **model: Any) -> Case:
+    return Case("config", lambda _inputs: _facade(config, **model), next(iter(config)))
+
+
+def _moe(config: dict) -> Case:
+    return Case("config", lambda _inputs: _facade(config, "qwen3_moe"), next(iter(config)))
+
+
+def _job(job: dict, says: str) -> Case:
+    from fsdp_turbo.cli.job_config import JobConfig
+
+    model = {"config": {"model_type": "llama", "vocab_size": 256, "hidden_size": 32}}
+    return Case("job file", lambda _inputs: JobConfig.from_dict({"model": model, **job}), says)
+
+
+def _job_without_model() -> None:
+    from fsdp_turbo.cli.job_config import JobConfig
+
+    JobConfig.from_dict({"run": {}})
+
+
+def _load(path_key: str, says: str) -> Case:
+    def run(inputs: dict) -> None:
+        from fsdp_turbo.checkpoint import load_pretrained
+
+        load_pretrained(_facade({}, device="meta"), inputs[path_key])
+
+    return Case("checkpoint", run, says, "CheckpointError")
+
+
+def _data_files(_inputs: dict) -> None:
+    from fsdp_turbo.cli.data import resolve_files
+
+    resolve_files(["/no/such/folder/*.txt"])
+
+
+def _short_corpus(_inputs: dict) -> None:
+    from fsdp_turbo.cli.data import PackedWindows
+
+    PackedWindows(torch.arange(10), seq_len=64, seed=0)
+
+
+def _other_data(_inputs: dict) -> None:
+    from fsdp_turbo.cli.data import PackedWindows
+
+    PackedWindows(torch.arange(1000), seq_len=10, seed=0).load_state_dict({"consumed": 4, "seed": 1, "windows": 100})
+
+
+def _job_file_suffix(inputs: dict) -> None:
+    from fsdp_turbo.cli.job_config import JobConfig
+
+    JobConfig.from_file(Path(inputs["tmp"]) / "job.json")
+
+
+def _meta_forward(_inputs: dict) -> None:
+    model = _facade({}, device="meta")
+    model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+
+
+def _meta_save(inputs: dict) -> None:
+    from fsdp_turbo.checkpoint import save_pretrained
+
+    save_pretrained(_facade({}, device="meta"), Path(inputs["tmp"]) / "never")
+
+
+def _twice(_inputs: dict) -> None:
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    FSDPTurbo({}, _facade({}))
+
+
+def _cp_call(**call: Any) -> Callable[[dict], None]:
+    def run(_inputs: dict) -> None:
+        model = _facade({"context_parallel_size": 2})
+        ids = torch.zeros(2, 8, dtype=torch.long)
+        if call.get("positional"):
+            model(ids)
+        else:
+            model(input_ids=ids, labels=ids, **call)
+
+    return run
+
+
+CASES: dict[str, Case] = {
+    # configs, through FSDPTurbo on 4 ranks
+    "fsdp size is not the world": _config({"fully_shard_parallel_size": 3}),
+    "dp does not divide the world": _config({"data_parallel_size": 3}),
+    "tp without a plan": _config({"tensor_parallel_size": 2}),
+    "tp pattern matches nothing": Case("config", lambda _i: _facade(
+        {"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": ["*.nothing"]}}), "tp_plan.colwise_parallel"),
+    "tp on a non-Linear": Case("config", lambda _i: _facade(
+        {"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": ["model.layers.*.mlp"]}}), "cannot shard"),
+    "loss parallel head not colwise": Case("config", lambda _i: _facade(
+        {"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": QKV, "loss_parallel": True}}),
+        "tp_plan.loss_parallel"),
+    "sequence parallel misses norms": Case("config", lambda _i: _facade(
+        {"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": QKV, "sequence_parallel": ["model.norm"]}}),
+        "every norm"),
+    "tied weights sharded differently": Case("config", lambda _i: _facade(
+        {"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": ["lm_head"]}}, tie_word_embeddings=True),
+        "share one parameter"),
+    "kv heads do not split over tp": Case("config", lambda _i: _facade(
+        {"tensor_parallel_size": 4, "tp_plan": {"colwise_parallel": QKV}}), "num_key_value_heads=2"),
+    "heads do not split over tp x cp": Case("config", lambda _i: _facade(
+        {"tensor_parallel_size": 2, "context_parallel_size": 2, "tp_plan": {"colwise_parallel": QKV}},
+        num_attention_heads=6, hidden_size=96), "num_attention_heads=6"),
+    "ep without a plan": _moe({"expert_parallel_size": 2}),
+    "ep pattern is not experts": Case("config", lambda _i: _facade(
+        {"expert_parallel_size": 2, "ep_plan": {"apply_modules": ["*.q_proj"]}}, "qwen3_moe"),
+        "is not an expert container"),
+    "ep does not divide the world": _moe({"expert_parallel_size": 3, "ep_plan": {}}),
+    "ep beside tp without sequence parallel": Case("config", lambda _i: _facade(
+        {"expert_parallel_size": 2, "ep_plan": {}, "tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": QKV}},
+        "qwen3_moe"), "tp_plan.sequence_parallel"),
+    "efsdp does not divide the world": _moe({"expert_parallel_size": 2, "ep_plan": {},
+                                             "expert_fully_shard_parallel_size": 3}),
+    "cp attention function does not import": Case("config", lambda _i: _facade(
+        {"context_parallel_size": 2, "cp_plan": {"attention_function": "no_such.attention"}}), "does not import"),
+    "cp attention function not a path": _config({"cp_plan": {"attention_function": "sdpa"}}),
+    "recompute plan matches nothing": Case("config", lambda _i: _facade(
+        {"recompute": True, "recompute_plan": ["*.nothing"]}), "recompute_plan"),
+    "recompute policy names no op": Case("config", lambda _i: _facade(
+        {"recompute": True, "recompute_policy": ["aten.no_such_op"]}), "no such operator"),
+    "compile backend unknown": Case("config", lambda _i: _facade(
+        {"compile": True, "compile_backend": "no_such_backend"}), "compile_backend"),
+    "swap plan matches nothing": Case("config", lambda _i: _facade(
+        {"swap_activation": True, "swap_activation_plan": ["*.nothing"]}), "swap_activation_plan"),
+    "chunk loss head missing": Case("config", lambda _i: _facade(
+        {"chunk_loss": True, "chunk_loss_plan": {"head_module": "no_head"}}), "chunk_loss_plan.head_module"),
+    "quantization converter unknown": _config({"quantization_plan": {"converters": ["fp4_magic"]}}),
+    "quantization of the output head": Case("config", lambda _i: _facade(
+        {"quantization_plan": {"apply_modules": ["lm_head"]}}), "output head"),
+    "quantization converts nothing": Case("config", lambda _i: _facade(
+        {"quantization_plan": {"block_size": 1024}}), "converts nothing"),
+    "ignored module contains a unit": Case("config", lambda _i: _facade(
+        {"fsdp_plan": {"ignored_modules": ["model.layers.0"]}}), "fsdp_plan.ignored_modules"),
+    "unknown config field": _config({"fsdp_plans": {}}),
+    "unknown dtype": _config({"fsdp_plan": {"param_dtype": "bfloat17"}}),
+    "unknown device": _config({"device_type": "tpu"}),
+    # job files
+    "job: unknown section": _job({"trainer": {}}, "trainer"),
+    "job: no model": Case("job file", lambda _i: _job_without_model(), "add a model section"),
+    "job: model twice over": _job({"model": {"config": {"model_type": "llama"}, "model_name_or_path": "x"}},
+                                  "exactly one"),
+    "job: model without model_type": _job({"model": {"config": {"hidden_size": 32}}}, "model.config.model_type"),
+    "job: negative learning rate": _job({"optimizer": {"lr": -1.0}}, "optimizer.lr"),
+    "job: zero steps": _job({"run": {"steps": 0}}, "run.steps"),
+    "job: unknown nonfinite policy": _job({"run": {"nonfinite": "ignore"}}, "run.nonfinite"),
+    "job: unknown tokenizer": _job({"data": {"tokenizer": "gpt2"}}, "data.tokenizer"),
+    "job: keep no checkpoint": _job({"checkpoint": {"keep": 0}}, "checkpoint.keep"),
+    "job: unknown turbo field": _job({"turbo": {"tensor_parallel": 2}}, "turbo.tensor_parallel"),
+    "job: not yaml or toml": Case("job file", _job_file_suffix, "use a .yaml, .yml or .toml file"),
+    # data
+    "data: no file matches": Case("data", _data_files, "no file matches"),
+    "data: corpus shorter than a window": Case("data", _short_corpus, "data.seq_len"),
+    "data: resumed on other data": Case("data", _other_data, "written for other data"),
+    # checkpoints
+    "checkpoint: no directory": _load("missing", "no such directory"),
+    "checkpoint: not a model": _load("not_a_model", "no config.json"),
+    "checkpoint: truncated file": _load("truncated", "damaged or truncated"),
+    "checkpoint: missing tensor": _load("missing_tensor", "1 missing"),
+    # runtime misuse
+    "runtime: meta model used before loading": Case("runtime", _meta_forward, "has no weights yet",
+                                                    "NotMaterializedError"),
+    "runtime: meta model saved": Case("runtime", _meta_save, "still on the meta device", "CheckpointError"),
+    "runtime: FSDPTurbo twice": Case("runtime", _twice, "already been through FSDPTurbo"),
+    "runtime: output_attentions under cp": Case("runtime", _cp_call(output_attentions=True), "output_attentions"),
+    "runtime: positional inputs under cp": Case("runtime", _cp_call(positional=True), "keyword arguments"),
+    "runtime: 3-d attention mask under cp": Case("runtime", _cp_call(attention_mask=torch.ones(2, 1, 8)),
+                                                  "2-D padding mask"),
+}
+
+
+def run_cases(names: list[str], inputs: dict) -> dict[str, tuple[str, str]]:
+    """Each case on this rank: (the error's class, its message), or ("none", "") if it ran."""
+    results = {}
+    for name in names:
+        try:
+            CASES[name].run(inputs)
+        except Exception as error:  # a test records what every rank raised
+            results[name] = (type(error).__name__, str(error))
+        else:
+            results[name] = ("none", "")
+    return results
+
+
+def prepare_checkpoints(root: Path) -> dict[str, str]:
+    """The damaged checkpoints the checkpoint cases read (transformers saves a good one first)."""
+    import json
+    import os
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    good = root / "good"
+    tiny_hf_causal_lm("llama").save_pretrained(good, max_shard_size="100KB")
+    paths = {"missing": str(root / "nothing_here"), "tmp": str(root)}
+    for name in ("not_a_model", "truncated", "missing_tensor"):
+        shutil.copytree(good, root / name)
+        paths[name] = str(root / name)
+    os.remove(root / "not_a_model" / "config.json")
+    os.truncate(root / "truncated" / "model-00002-of-00005.safetensors", 1000)
+    first = root / "missing_tensor" / "model-00001-of-00005.safetensors"
+    with safe_open(first, "pt") as handle:
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 - a safetensors handle
+    dropped = sorted(tensors)[0]
+    tensors.pop(dropped)
+    save_file(tensors, first, metadata={"format": "pt"})
+    index_path = root / "missing_tensor" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"][dropped]
+    index_path.write_text(json.dumps(index))
+    (root / "job.json").write_text("{}")
+    return paths
