@@ -41,7 +41,8 @@ class Stage:
     quantize         tensor_parallel                 leave Linears whose TP shard holds no whole block
     tensor_parallel  expert_parallel                 leave expert containers to EP; require sequence
                                                      parallel when EP runs beside TP
-    swap_activation  recompute                       skip the blocks recompute already frees
+    swap_activation  recompute                       swap recomputed blocks' checkpoint inputs; skip
+                                                     blocks inside a recomputed block
     fully_shard      expert_parallel, chunk_loss     shard experts on the expert mesh first; not
                                                      backward-prefetch a chunked-loss head
     ===============  ==============================  ==================================================
