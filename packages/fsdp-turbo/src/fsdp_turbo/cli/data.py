@@ -87,6 +87,7 @@ class PackedWindows:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["windows"] != len(self) or state["seed"] != self.seed:
-            raise ConfigError("data", self.state_dict(), "resume with the job's own data and run.seed, or --resume none",
+            raise ConfigError("data", self.state_dict(),
+                              "resume with the job's own data and run.seed, or with --resume none",
                               reason=f"the checkpoint was written for other data ({state})")
         self.consumed = int(state["consumed"])
