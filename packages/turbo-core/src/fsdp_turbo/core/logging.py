@@ -16,7 +16,7 @@ def _rank() -> int:
 
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank()
-    except Exception:
+    except (ImportError, RuntimeError):  # a build without torch.distributed, or a group torn down: use $RANK
         pass
     return int(os.environ.get("RANK", "0"))
 
