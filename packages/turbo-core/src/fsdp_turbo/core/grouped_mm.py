@@ -24,10 +24,13 @@ def grouped_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
     tiny input: an unsupported build, device or dtype raises there, and is logged once. The
     real calls then run unguarded, so their errors surface: out of memory, or a layout the
     kernel refuses (on CUDA, strides that are not multiples of 16 bytes)."""
+    if not hasattr(torch, "_grouped_mm"):  # this build (asked each call: it is cheap)
+        warn_once(_log, "this torch has no torch._grouped_mm; grouped GEMMs run as a loop over the groups")
+        return False
     key = (device.type, dtype)
     if key not in _runs:
-        reason = "this torch has no torch._grouped_mm"
-        works = hasattr(torch, "_grouped_mm") and dtype in (torch.float32, torch.bfloat16)
+        reason = ""
+        works = dtype in (torch.float32, torch.bfloat16)
         if works:
             a = torch.zeros(PROBE, PROBE, dtype=dtype, device=device)
             b = torch.zeros(1, PROBE, PROBE, dtype=dtype, device=device)
@@ -35,7 +38,7 @@ def grouped_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
                 torch._grouped_mm(a, b, offs=torch.tensor([PROBE], dtype=torch.int32, device=device))
             except (NotImplementedError, RuntimeError) as err:  # the probe only: "no kernel for this"
                 works, reason = False, f"{type(err).__name__}: {err}".splitlines()[0]
-        elif hasattr(torch, "_grouped_mm"):
+        else:
             reason = f"it takes float32 or bfloat16, not {dtype}"
         if not works:
             warn_once(_log, f"torch._grouped_mm does not run on {device.type} for {dtype} ({reason}); "
