@@ -82,3 +82,29 @@ def test_grouped_mm_falls_back_only_where_the_kernel_does_not_run(monkeypatch, c
     monkeypatch.setattr(torch, "_grouped_mm", runs_then_fails)
     with pytest.raises(RuntimeError, match="out of memory"):
         gm.grouped_mm(a, b, offsets)
+
+
+def test_the_grouped_kernel_probe_is_invisible_to_selective_recompute(monkeypatch):
+    """The first grouped GEMM may come from inside a selective-recompute region. Its probe
+    must not enter that region's op log: the recomputation, which does not probe again,
+    would be handed the probe's output (it was: 'grouped rows (16) must be padded')."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from fsdp_turbo.core import grouped_mm as gm
+
+    def policy(ctx, func, *args, **kwargs):
+        keep = func.overloadpacket is torch.ops.aten._grouped_mm
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    x = torch.randn(6, 16, requires_grad=True)
+    weight = torch.randn(2, 8, 16, requires_grad=True)
+    offsets = torch.tensor([2, 6])
+    expected = gm.grouped_linear(x, weight, offsets)
+    monkeypatch.setattr(gm, "_runs", {})  # the next call probes, inside the region
+    contexts = functools.partial(create_selective_checkpoint_contexts, policy)
+    out = checkpoint(lambda a, w: gm.grouped_linear(a, w, offsets).relu(), x, weight, use_reentrant=False,
+                     context_fn=contexts)
+    out.sum().backward()
+    torch.testing.assert_close(out, expected.relu())

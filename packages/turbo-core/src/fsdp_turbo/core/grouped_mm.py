@@ -19,6 +19,22 @@ _runs: dict[tuple[str, torch.dtype], bool] = {}
 PROBE = 16  # the probe's sizes: multiples of 16, as the CUDA kernel wants its strides
 
 
+def _probe(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    # Outside every dispatch mode, with no autograd record: the first call may come from
+    # inside a selective-recompute region, whose op log must not see this extra GEMM (the
+    # recomputation, which does not probe, would then be handed its output).
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.no_grad():
+        a = torch.zeros(PROBE, PROBE, dtype=dtype, device=device)
+        b = torch.zeros(1, PROBE, PROBE, dtype=dtype, device=device)
+        try:
+            torch._grouped_mm(a, b, offs=torch.tensor([PROBE], dtype=torch.int32, device=device))
+        except (NotImplementedError, RuntimeError) as err:  # the probe only: "no kernel for this"
+            return False, f"{type(err).__name__}: {err}".splitlines()[0]
+    return True, ""
+
+
 def grouped_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs on this device type and dtype. Probed once, on a
     tiny input: an unsupported build, device or dtype raises there, and is logged once. The
@@ -32,12 +48,7 @@ def grouped_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
         reason = ""
         works = dtype in (torch.float32, torch.bfloat16)
         if works:
-            a = torch.zeros(PROBE, PROBE, dtype=dtype, device=device)
-            b = torch.zeros(1, PROBE, PROBE, dtype=dtype, device=device)
-            try:
-                torch._grouped_mm(a, b, offs=torch.tensor([PROBE], dtype=torch.int32, device=device))
-            except (NotImplementedError, RuntimeError) as err:  # the probe only: "no kernel for this"
-                works, reason = False, f"{type(err).__name__}: {err}".splitlines()[0]
+            works, reason = _probe(device, dtype)
         else:
             reason = f"it takes float32 or bfloat16, not {dtype}"
         if not works:
