@@ -46,7 +46,9 @@ class MetricsLog:
         self.path = Path(output_dir) / METRICS
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            self._append({RESUMED: resumed_step})
+            self._append({RESUMED: resumed_step})  # also a fresh start (0) over an old file
+        else:
+            self.path.touch()
 
     def rows(self) -> list[dict[str, Any]]:
         return read_rows(self.path)
