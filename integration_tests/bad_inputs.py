@@ -60,22 +60,47 @@ def _load(path_key: str, says: str) -> Case:
     return Case("checkpoint", run, says, "CheckpointError")
 
 
-def _data_files(_inputs: dict) -> None:
-    from fsdp_turbo.cli.data import resolve_files
-
-    resolve_files(["/no/such/folder/*.txt"])
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sft_tiny"
 
 
-def _short_corpus(_inputs: dict) -> None:
-    from fsdp_turbo.cli.data import PackedWindows
+def _data(sources: list[dict] | None = None, says: str = "", *, vocab: int = 4096, **data: Any) -> Case:
+    """``load_data`` of a data section over the suite's data files (``{d}`` is their folder)."""
+    def run(inputs: dict) -> None:
+        from fsdp_turbo.cli.data import load_data
+        from fsdp_turbo.cli.job_config import DataSection
 
-    PackedWindows(torch.arange(10), seq_len=64, seed=0)
+        folder = inputs["data"]
+        fields = {"tokenizer": str(EXAMPLE / "tokenizer"), **data}
+        fields = {k: v.format(d=folder) if isinstance(v, str) else v for k, v in fields.items()}
+        if sources is not None:
+            fields["sources"] = [{k: v.format(d=folder) if isinstance(v, str) else v for k, v in s.items()}
+                                 for s in sources]
+        section = DataSection.from_dict(fields)
+        load_data(section, Path(folder) / "out", seed=0, vocab_size=vocab)
+
+    return Case("data", run, says)
 
 
-def _other_data(_inputs: dict) -> None:
-    from fsdp_turbo.cli.data import PackedWindows
+def _other_data(inputs: dict) -> None:
+    from fsdp_turbo.cli.data import load_data
+    from fsdp_turbo.cli.job_config import DataSection
 
-    PackedWindows(torch.arange(1000), seq_len=10, seed=0).load_state_dict({"consumed": 4, "seed": 1, "windows": 100})
+    section = DataSection.from_dict({"files": [str(Path(inputs["data"]) / "text.txt")], "seq_len": 16})
+    loader = load_data(section, Path(inputs["data"]) / "out", seed=0, vocab_size=256).train
+    loader.load_state_dict({"consumed": 4, "seed": 1, "sources": ["another"]})
+
+
+def _eval_too_small(inputs: dict) -> None:
+    from fsdp_turbo.cli.data import load_data
+    from fsdp_turbo.cli.job_config import DataSection
+
+    text = str(Path(inputs["data"]) / "text.txt")
+    section = DataSection.from_dict({"files": [text], "seq_len": 16,
+                                     "eval": {"sources": [{"path": text, "text_field": "text"}], "batches": 50}})
+    load_data(section, Path(inputs["data"]) / "out", seed=0, vocab_size=256).eval.batches(2, 0, 4, 50)
+
+
+CHAT = "{d}/chat.jsonl"
 
 
 def _job_file_suffix(inputs: dict) -> None:
@@ -178,14 +203,31 @@ CASES: dict[str, Case] = {
     "job: negative learning rate": _job({"optimizer": {"lr": -1.0}}, "optimizer.lr"),
     "job: zero steps": _job({"run": {"steps": 0}}, "run.steps"),
     "job: unknown nonfinite policy": _job({"run": {"nonfinite": "ignore"}}, "run.nonfinite"),
-    "job: unknown tokenizer": _job({"data": {"tokenizer": "gpt2"}}, "data.tokenizer"),
+    "job: source without a field": _job({"data": {"sources": [{"path": "a.jsonl"}]}}, "data.sources[0]"),
+    "job: files and sources": _job({"data": {"files": ["a"], "sources": [{"path": "a", "text_field": "t"}]}},
+                                   "not both"),
+    "job: unknown overflow policy": _job({"data": {"overflow": "wrap"}}, "data.overflow"),
     "job: keep no checkpoint": _job({"checkpoint": {"keep": 0}}, "checkpoint.keep"),
     "job: unknown turbo field": _job({"turbo": {"tensor_parallel": 2}}, "turbo.tensor_parallel"),
     "job: not yaml or toml": Case("job file", _job_file_suffix, "use a .yaml, .yml or .toml file"),
     # data
-    "data: no file matches": Case("data", _data_files, "no file matches"),
-    "data: corpus shorter than a window": Case("data", _short_corpus, "data.seq_len"),
+    "data: no file matches": _data([{"path": "{d}/nothing*.jsonl", "text_field": "text"}], "no file matches"),
+    "data: missing field": _data([{"path": "{d}/rows.jsonl", "text_field": "body"}], "data.sources[0].text_field"),
+    "data: empty source": _data([{"path": "{d}/empty.jsonl", "text_field": "text"}], "data.sources[0].path"),
+    "data: corrupt jsonl line": _data([{"path": "{d}/corrupt.jsonl", "text_field": "text"}], "corrupt.jsonl:3"),
+    "data: sft without a chat template": _data([{"path": CHAT, "messages_field": "messages"}], "no chat template",
+                                               tokenizer="{d}/plain_tokenizer"),
+    "data: document longer than seq_len": _data([{"path": "{d}/rows.jsonl", "text_field": "text"}], "row 1 has",
+                                                overflow="error", seq_len=8),
+    "data: not a tokenizer": _data(None, "no tokenizer there", tokenizer="{d}"),
+    "data: tokenizer larger than the model": _data([{"path": "{d}/rows.jsonl", "text_field": "text"}],
+                                                   "vocab_size is 256", vocab=256),
+    "data: mixed formats in one source": _data([{"path": "{d}/mixed/*", "text_field": "text"}], "mixes"),
+    "data: text column of numbers": _data([{"path": "{d}/numbers.jsonl", "text_field": "text"}], "row 0 holds"),
+    "data: conversation without an assistant turn": _data([{"path": "{d}/no_answer.jsonl",
+                                                            "messages_field": "messages"}], "assistant turn"),
     "data: resumed on other data": Case("data", _other_data, "written for other data"),
+    "data: eval set smaller than its batches": Case("data", _eval_too_small, "data.eval.batches"),
     # checkpoints
     "checkpoint: no directory": _load("missing", "no such directory"),
     "checkpoint: not a model": _load("not_a_model", "no config.json"),
@@ -244,4 +286,32 @@ def prepare_checkpoints(root: Path) -> dict[str, str]:
     del index["weight_map"][dropped]
     index_path.write_text(json.dumps(index))
     (root / "job.json").write_text("{}")
+    paths["data"] = str(prepare_data(root / "data"))
     return paths
+
+
+def prepare_data(folder: Path) -> Path:
+    """The data files the data cases read: good, empty, corrupt and odd ones."""
+    import json
+    import shutil
+
+    folder.mkdir()
+    rows = [{"text": "short"}, {"text": "a document of more than eight tokens, surely"}]
+    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "empty.jsonl").write_text("")
+    (folder / "corrupt.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c"\n{"text": "d"}\n')
+    (folder / "numbers.jsonl").write_text('{"text": 1}\n{"text": 2}\n')
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    (folder / "chat.jsonl").write_text(json.dumps(chat) + "\n")
+    (folder / "no_answer.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    (folder / "mixed").mkdir()
+    (folder / "mixed" / "a.jsonl").write_text('{"text": "a"}\n')
+    (folder / "mixed" / "b.csv").write_text("text\nb\n")
+    (folder / "text.txt").write_text("plain text, one document, several windows long. " * 4)
+    plain = folder / "plain_tokenizer"
+    shutil.copytree(EXAMPLE / "tokenizer", plain)
+    (plain / "chat_template.jinja").unlink()
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder

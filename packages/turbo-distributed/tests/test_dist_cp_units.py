@@ -51,6 +51,19 @@ def test_padding_mask_is_kept_whole_for_attention():
     assert additive[0, 0, 0, 1] == torch.finfo(torch.float32).min and additive[0, 0, 1, 0] == 0
 
 
+def test_packed_documents_keep_attention_inside_each_document():
+    # Two rows of 7: documents of 3 + 4 tokens, and one document; padded to 8 for cp=2.
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3], list(range(7))])
+    _, context = _split(0, cp=2, input_ids=torch.ones(2, 7, dtype=torch.long), position_ids=positions)
+    assert context.documents.tolist() == [[0, 0, 0, 1, 1, 1, 1, 1], [0] * 8]
+    allowed = full_causal_mask(8, None, torch.float32, torch.device("cpu"), additive=False,
+                               documents=context.documents)
+    assert allowed[0, 0, 4, 3] and not allowed[0, 0, 3, 2] and not allowed[0, 0, 2, 3]
+    assert allowed[1, 0].equal(torch.ones(8, 8, dtype=torch.bool).tril())
+    _, plain = _split(0, cp=2, input_ids=torch.ones(1, 8, dtype=torch.long))
+    assert plain.documents is None  # one document a row: is_causal suffices
+
+
 def test_kv_replication_keeps_each_query_head_on_its_kv_head():
     assert replicated_kv_heads(2, 4) == 4 and replicated_kv_heads(8, 4) == 8 and replicated_kv_heads(6, 4) == 12
     kv = torch.arange(2).reshape(1, 2, 1, 1).float()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.core.validation import ConfigSection, check_choice, check_float, check_int
+from fsdp_turbo.core.validation import ConfigSection, check_bool, check_choice, check_float, check_int
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
 
@@ -38,27 +38,133 @@ class ModelSection(ConfigSection):
             raise ConfigError("model.config.model_type", None, "name the HF model type, e.g. 'qwen3_moe'")
 
 
+def _sections(value: Any, kind: type[ConfigSection], field_name: str) -> tuple:
+    """A list of mappings in the file, each built into ``kind`` and named ``field[i]`` in errors."""
+    if not isinstance(value, list | tuple) or not value:
+        raise ConfigError(field_name, value, "give a list of mappings, e.g. [{path: train.jsonl, text_field: text}]")
+    sections = []
+    for i, item in enumerate(value):
+        try:
+            sections.append(item if isinstance(item, kind) else kind.from_dict(item))
+        except ConfigError as error:  # the same error, with the entry's index in its field name
+            field = error.field.replace(kind._prefix, f"{field_name}[{i}]", 1)
+            raise ConfigError(field, error.value, error.fix, reason=error.reason) from None
+    return tuple(sections)
+
+
 @dataclass(frozen=True)
-class DataSection(ConfigSection):
-    """Local text files (globs; ``stdlib:`` means this Python's standard library folder),
-    byte-level tokens packed into ``seq_len`` windows."""
+class SourceSection(ConfigSection):
+    """One dataset: files by glob (``.jsonl .json .parquet .csv .txt .arrow``) or a
+    ``datasets`` ``save_to_disk`` folder. ``text_field``: pretraining, loss on every token
+    (``.txt`` files: each file is one document, field ``text``). ``messages_field``: SFT,
+    rendered with the tokenizer's chat template, loss on the assistant turns only."""
 
-    _prefix: ClassVar[str] = "data"
+    _prefix: ClassVar[str] = "data.sources[]"
 
-    files: tuple[str, ...] = ("stdlib:*.py",)
-    seq_len: int = 128
-    max_bytes: int = 4_000_000
-    tokenizer: str = "byte"
+    path: str = ""
+    text_field: str | None = None
+    messages_field: str | None = None
+    weight: float = 1.0
 
     def __post_init__(self) -> None:
-        check_int(self.seq_len, "data.seq_len", minimum=1)
+        where = self._prefix
+        if not isinstance(self.path, str) or not self.path:
+            raise ConfigError(f"{where}.path", self.path, "give a file glob or a dataset folder")
+        if (self.text_field is None) == (self.messages_field is None):
+            raise ConfigError(where, {"text_field": self.text_field, "messages_field": self.messages_field},
+                              "give exactly one of text_field (pretraining) and messages_field (SFT)")
+        for name in ("text_field", "messages_field"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"{where}.{name}", value, "give a column name")
+        _set(self, "weight", check_float(self.weight, f"{where}.weight", minimum=0.0, strict=True))
+
+    @property
+    def sft(self) -> bool:
+        return self.messages_field is not None
+
+
+@dataclass(frozen=True)
+class EvalSection(ConfigSection):
+    """A held-out set: every ``every`` steps, ``batches`` micro-batches per data shard, from
+    the start of ``sources`` in order; the loss is token-weighted over them."""
+
+    _prefix: ClassVar[str] = "data.eval"
+
+    sources: tuple[SourceSection, ...] = ()
+    every: int = 100
+    batches: int = 8
+
+    def __post_init__(self) -> None:
+        _set(self, "sources", _sections(self.sources, SourceSection, "data.eval.sources"))
+        check_int(self.every, "data.eval.every", minimum=1)
+        check_int(self.batches, "data.eval.batches", minimum=1)
+
+
+OVERFLOW = ("split", "truncate", "error")
+
+
+@dataclass(frozen=True)
+class DataSection(ConfigSection):
+    """The training data. ``sources`` (mixed by ``weight``) or the shorthand ``files``: text
+    file globs (``stdlib:`` means this Python's standard library folder), each file one
+    document, at most ``max_bytes`` of them. ``tokenizer``: a local HF tokenizer folder, or
+    ``byte`` (vocab 256, the zero-download demo).
+
+    ``packing``: documents share ``seq_len`` windows, positions restart at each document and
+    no token attends to or predicts across a boundary; ``false``: one document per row,
+    padded, with an attention mask. ``overflow``: a document longer than ``seq_len`` is
+    ``split`` into pieces (each its own document), ``truncate``d to its start, or an ``error``.
+    ``cache_dir`` (default ``OUTPUT/data_cache``) keeps the tokenized data for the next run."""
+
+    _prefix: ClassVar[str] = "data"
+    _nested: ClassVar[dict[str, type[ConfigSection]]] = {"eval": EvalSection}
+
+    tokenizer: str = "byte"
+    files: tuple[str, ...] | None = None
+    sources: tuple[SourceSection, ...] | None = None
+    seq_len: int = 128
+    max_bytes: int = 4_000_000
+    packing: bool = True
+    overflow: str = "split"
+    eval: EvalSection | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        check_int(self.seq_len, "data.seq_len", minimum=2)
         check_int(self.max_bytes, "data.max_bytes", minimum=1)
-        if self.tokenizer != "byte":
-            raise ConfigError("data.tokenizer", self.tokenizer, "use 'byte' (vocab 256)")
-        files = self.files
-        if not isinstance(files, list | tuple) or not files or not all(isinstance(f, str) for f in files):
-            raise ConfigError("data.files", self.files, "give a list of glob patterns")
-        _set(self, "files", tuple(self.files))
+        check_bool(self.packing, "data.packing")
+        _set(self, "overflow", check_choice(self.overflow, "data.overflow", OVERFLOW))
+        if not isinstance(self.tokenizer, str) or not self.tokenizer:
+            raise ConfigError("data.tokenizer", self.tokenizer, "give a local tokenizer folder or 'byte'")
+        if self.files is not None and self.sources is not None:
+            raise ConfigError("data", "files and sources", "give sources, or files as their shorthand, not both")
+        if self.sources is None:
+            files = ("stdlib:*.py",) if self.files is None else self.files
+            if isinstance(files, str):
+                files = [files]
+            if not isinstance(files, list | tuple) or not files or not all(isinstance(f, str) and f for f in files):
+                raise ConfigError("data.files", self.files, "give a list of glob patterns")
+            _set(self, "files", tuple(files))
+        else:
+            _set(self, "sources", _sections(self.sources, SourceSection, "data.sources"))
+        if self.eval is not None and not isinstance(self.eval, EvalSection):
+            raise ConfigError("data.eval", self.eval, "use a mapping with sources, every and batches")
+        if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir):
+            raise ConfigError("data.cache_dir", self.cache_dir, "give a directory path")
+
+
+@dataclass(frozen=True)
+class LoggingSection(ConfigSection):
+    """``tensorboard``: loss, eval loss, learning rate, gradient norm, tokens/s and memory
+    into ``OUTPUT/tensorboard/`` (rank 0, ``torch.utils.tensorboard``)."""
+
+    _prefix: ClassVar[str] = "logging"
+
+    tensorboard: bool = False
+
+    def __post_init__(self) -> None:
+        check_bool(self.tensorboard, "logging.tensorboard")
 
 
 @dataclass(frozen=True)
@@ -133,6 +239,7 @@ class JobConfig(ConfigSection):
         "optimizer": OptimizerSection,
         "run": RunSection,
         "checkpoint": CheckpointSection,
+        "logging": LoggingSection,
         "turbo": FSDPTurboConfig,
     }
     _prefix: ClassVar[str] = ""  # sections are named as they stand in the file
@@ -142,6 +249,7 @@ class JobConfig(ConfigSection):
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     run: RunSection = field(default_factory=RunSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
     turbo: FSDPTurboConfig = field(default_factory=FSDPTurboConfig)
     output_dir: str = "fsdp_turbo_output"
 

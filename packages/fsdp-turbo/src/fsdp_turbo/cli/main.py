@@ -68,6 +68,17 @@ def _static_world(args: argparse.Namespace) -> int | None:
     return int(nproc) * int(nnodes) if nproc.isdigit() and nnodes.isdigit() else None
 
 
+def _prepare_data(job, output_dir: str | None) -> None:
+    """Tokenize and pack the data here, once, before any worker starts: a bad source is one
+    clear error, and the workers find the cache (each prepares it itself only where this
+    node has no copy, e.g. without a shared file system)."""
+    from fsdp_turbo.cli.data import load_data
+    from fsdp_turbo.cli.model import hf_config
+
+    load_data(job.data, output_dir or job.output_dir, job.run.seed, vocab_size=getattr(hf_config(job.model),
+                                                                                      "vocab_size", None))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from fsdp_turbo.cli.job_config import JobConfig
@@ -82,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         world = _static_world(args)
         if world is not None:  # elastic ranges ("1:4") are checked by the workers
             job.turbo.validate(world)
+        _prepare_data(job, args.output_dir)
     except ConfigError as error:
         print(f"fsdp-turbo: {error}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""Progress on rank 0: a tqdm bar, ``metrics.jsonl`` (a row per step) and ``loss.png``."""
+"""Progress on rank 0: a tqdm bar, ``metrics.jsonl`` (a row per step), ``loss.png`` and,
+when asked, TensorBoard event files."""
 
 from __future__ import annotations
 
@@ -61,8 +62,33 @@ class MetricsLog:
             handle.write(json.dumps(row) + "\n")
 
 
+# metrics.jsonl name -> TensorBoard tag
+TENSORBOARD_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+                    "tokens_per_s": "train/tokens_per_s", "peak_memory_mib": "train/peak_memory_mib",
+                    "eval_loss": "eval/loss", "eval_perplexity": "eval/perplexity"}
+TENSORBOARD = "tensorboard"
+
+
+class TensorBoardLog:
+    """The same rows, as scalars, through ``torch.utils.tensorboard`` into ``OUTPUT/tensorboard``."""
+
+    def __init__(self, output_dir: str | Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(Path(output_dir) / TENSORBOARD))
+
+    def write(self, row: dict[str, Any]) -> None:
+        for name, tag in TENSORBOARD_TAGS.items():
+            if name in row:
+                self.writer.add_scalar(tag, row[name], global_step=row["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 def plot_loss(output_dir: str | Path) -> Path:
-    """``loss.png``: the loss and the learning rate against the step."""
+    """``loss.png``: the loss (and eval loss, where measured) and the learning rate against the step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,6 +98,10 @@ def plot_loss(output_dir: str | Path) -> Path:
     steps = [r["step"] for r in rows]
     figure, loss_axis = plt.subplots(figsize=(7, 4))
     loss_axis.plot(steps, [r["loss"] for r in rows], color="tab:blue", label="loss")
+    evaluated = [r for r in rows if "eval_loss" in r]
+    if evaluated:
+        loss_axis.plot([r["step"] for r in evaluated], [r["eval_loss"] for r in evaluated], "o-", color="tab:green",
+                       label="eval loss")
     loss_axis.set_xlabel("step")
     loss_axis.set_ylabel("loss")
     lr_axis = loss_axis.twinx()

@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from fsdp_turbo.checkpoint import materialize, save_pretrained
 from fsdp_turbo.cli.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from fsdp_turbo.cli.data import PackedWindows, byte_tokens, resolve_files
+from fsdp_turbo.cli.data import load_data
+from fsdp_turbo.cli.evaluation import evaluate, items_per_rank
 from fsdp_turbo.cli.job_config import JobConfig
-from fsdp_turbo.cli.metrics import MetricsLog, peak_tflops, plot_loss, progress_bar
+from fsdp_turbo.cli.metrics import MetricsLog, TensorBoardLog, peak_tflops, plot_loss, progress_bar
 from fsdp_turbo.cli.model import build_model, fill_weights
 from fsdp_turbo.cli.optim import build_optimizer, build_scheduler, clip_grad_norm
 from fsdp_turbo.core.device import current_device, device_name, peak_memory_bytes
@@ -87,6 +88,9 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
 
     run, output = job.run, Path(job.output_dir)
     model = build_model(job.model)  # on the meta device
+    # Before any process group: a bad data source fails here, alike on every rank.
+    data = load_data(job.data, output, run.seed, vocab_size=getattr(model.config, "vocab_size", None))
+    loader, held_out = data.train, data.eval
     flops_per_token = _flops_per_token(model, job.data.seq_len)
     model = FSDPTurbo(job.turbo, model)
     state = model.parallel_state
@@ -102,7 +106,6 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
     params = list(model.parameters())
     optimizer = build_optimizer(params, job.optimizer)
     scheduler = build_scheduler(optimizer, job.optimizer, run.steps)
-    loader = PackedWindows(byte_tokens(resolve_files(job.data.files), job.data.max_bytes), job.data.seq_len, run.seed)
     start, skipped = 0, 0
     if checkpoint is not None:
         meta = load_checkpoint(checkpoint, model, optimizer)
@@ -111,6 +114,7 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
         start, skipped = int(meta["step"]), int(meta.get("skipped_steps", 0))
         _log.info(f"resumed from {checkpoint} at step {start}")
     metrics = MetricsLog(output, start) if rank0 else None
+    board = TensorBoardLog(output) if rank0 and job.logging.tensorboard else None
     device = current_device(state.device_type)
     peak = peak_tflops(device_name(device.type))
     tokens_per_step = run.micro_batch * state.dp_size * run.grad_accum * job.data.seq_len
@@ -120,13 +124,14 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
         began = time.perf_counter()
         total = torch.zeros((), device=device)
         poison = float("nan") if os.environ.get(NAN_ENV) == str(step) else 1.0
-        for _ in range(run.grad_accum):
-            batch = loader.next_batch(run.micro_batch, state.dp_rank, state.dp_size).to(device)
-            loss = model(input_ids=batch, labels=batch).loss * poison
-            (loss / run.grad_accum).backward()
+        batches = [loader.next_batch(run.micro_batch, state.dp_rank, state.dp_size) for _ in range(run.grad_accum)]
+        items = items_per_rank(batches, device)  # the step's loss is its global token mean (see evaluation)
+        for batch in batches:
+            loss = model(**batch.to(device).model_inputs(), num_items_in_batch=items).loss * poison
+            loss.backward()
             total += loss.detach()
         # Both are the same on every rank (a world mean, a global norm), so every rank decides alike.
-        loss_value = _world_mean(total / run.grad_accum)
+        loss_value = _world_mean(total)
         grad_norm = clip_grad_norm(params, job.optimizer.grad_clip)
         lr = scheduler.get_last_lr()[0]
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
@@ -138,18 +143,26 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - began
+        evaluation = {}
+        if held_out is not None and step % job.data.eval.every == 0:
+            evaluation = evaluate(model, held_out, run.micro_batch, job.data.eval.batches, state.dp_rank,
+                                  state.dp_size, device)
         tokens_per_s = tokens_per_step / seconds
         tflops = flops_per_token * tokens_per_s / state.world_size / 1e12
         if rank0:
             peak_mib = peak_memory_bytes(device.type) / 2**20
             row = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                    "tokens_per_s": tokens_per_s, "tflops_per_rank": tflops, "peak_memory_mib": peak_mib}
+            row.update(evaluation)
             if skipped:
                 row.update(skipped=not finite, skipped_steps=skipped)
             if peak:
                 row["mfu"] = tflops / peak
             metrics.write(row)
-            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens_per_s:,.0f}", tflops=f"{tflops:.3f}",
+            if board is not None:
+                board.write(row)
+            shown = {"eval": f"{evaluation['eval_loss']:.4f}"} if evaluation else {}
+            bar.set_postfix(loss=f"{loss_value:.4f}", **shown, tok_s=f"{tokens_per_s:,.0f}", tflops=f"{tflops:.3f}",
                             **({"mfu": f"{row['mfu']:.1%}"} if peak else {}), peak_mem=f"{peak_mib:,.0f}MiB")
             bar.update(1)
         _maybe_kill(step, state.rank)
@@ -159,6 +172,8 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
                      "world_size": state.world_size, "layout": state.describe(), "skipped_steps": skipped}
             save_checkpoint(output, step, model, optimizer, extra, job.checkpoint.keep)
     bar.close()
+    if board is not None:
+        board.close()
     if last == run.steps:
         save_pretrained(model, output / "final")
         if rank0:

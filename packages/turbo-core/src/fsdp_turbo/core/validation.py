@@ -54,7 +54,7 @@ class ConfigSection:
             elif isinstance(value, torch.dtype):
                 value = dtype_name(value)
             elif isinstance(value, tuple):
-                value = list(value)
+                value = [v.to_dict() if isinstance(v, ConfigSection) else v for v in value]
             out[f.name] = value
         return out
 

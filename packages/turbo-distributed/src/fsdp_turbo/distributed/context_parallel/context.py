@@ -13,6 +13,7 @@ import torch.distributed as dist
 class ForwardContext:
     seq_len: int  # the padded full sequence length, a multiple of cp
     padding_mask: torch.Tensor | None = None  # [B, seq_len] bool, True = a real token, or None
+    documents: torch.Tensor | None = None  # [B, seq_len] packed-document index of each token, or None
     attention_calls: int = 0  # how many attention layers ran through the Ulysses wrapper
 
 

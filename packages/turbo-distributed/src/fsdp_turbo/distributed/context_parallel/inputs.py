@@ -5,7 +5,9 @@ batch each CP rank receives into that rank's sequence chunk.
 2. the sequence is padded to a multiple of cp (label -100, so padding is not in the loss;
    it sits at the end, so causal attention keeps real tokens from seeing it);
 3. input ids (or embeddings), shifted labels and absolute ``position_ids`` are cut to the
-   rank's chunk; a 2-D padding ``attention_mask`` is kept whole for the attention wrapper;
+   rank's chunk; a 2-D padding ``attention_mask`` is kept whole for the attention wrapper,
+   and so are packed documents: where ``position_ids`` restart inside a row (as transformers
+   reads packed sequences), the wrapper masks attention to each document;
 4. ``num_items_in_batch`` is the number of valid labels of the whole sequence, so each rank's
    loss is its share of the full-sequence mean (summed over CP in ``loss``).
 """
@@ -79,8 +81,21 @@ def split_inputs(state: CPState, kwargs: dict[str, Any]) -> dict[str, Any]:
         padding = _pad(mask.bool(), extra, False)
         padding = None if bool(padding[:, :seq_len].all()) else padding
         out["attention_mask"] = None  # the wrapper builds the full-sequence mask itself
-    state.current = ForwardContext(full, padding)
+    state.current = ForwardContext(full, padding, packed_documents(kwargs.get("position_ids"), extra))
     return out
+
+
+def packed_documents(positions: torch.Tensor | None, extra: int) -> torch.Tensor | None:
+    """Each token's document index ``[B, seq + extra]`` where ``position_ids`` restart
+    inside a row (a new document wherever a position is not its predecessor's plus one,
+    transformers' rule), else ``None``. The CP padding joins the last document."""
+    if positions is None or positions.shape[1] < 2:
+        return None
+    starts = torch.diff(positions, dim=1) != 1
+    if not bool(starts.any()):
+        return None
+    documents = F.pad(starts.long().cumsum(1), (1, 0))
+    return F.pad(documents, (0, extra), mode="replicate") if extra else documents
 
 
 def _refuse_attention_weights(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.hf import attention_function
 from fsdp_turbo.distributed.context_parallel.all_to_all import heads_to_sequence, sequence_to_heads
 from fsdp_turbo.distributed.context_parallel.context import CPState
@@ -48,14 +49,18 @@ def _kv_groups(module: nn.Module, groups: int) -> Iterator[None]:
 
 
 def full_causal_mask(seq_len: int, padding: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
-                     additive: bool) -> torch.Tensor | None:
+                     additive: bool, documents: torch.Tensor | None = None) -> torch.Tensor | None:
     """The full-sequence mask the core attention needs: ``None`` where ``is_causal`` suffices
-    (non-eager, no padding), else boolean (True = attend) or additive ``[B or 1, 1, S, S]``."""
-    if padding is None and not additive:
+    (non-eager, no padding, one document per row), else boolean (True = attend) or additive
+    ``[B or 1, 1, S, S]``. ``documents`` (packed rows) keeps attention inside each document."""
+    if padding is None and documents is None and not additive:
         return None
     allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
     if padding is not None:
         allowed = allowed & padding[:, None, None, :].to(device)
+    if documents is not None:
+        documents = documents.to(device)
+        allowed = allowed & (documents[:, None, :, None] == documents[:, None, None, :])
     if not additive:
         return allowed
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
@@ -79,7 +84,8 @@ def ulysses_hf_attention(state: CPState, inner: str) -> Callable[..., Any]:
         q, k, v = gathered.split(parts, dim=1)
         context = state.current
         function = attention_function(inner, module)
-        mask = full_causal_mask(context.seq_len, context.padding_mask, q.dtype, q.device, additive=inner == "eager")
+        mask = full_causal_mask(context.seq_len, context.padding_mask, q.dtype, q.device, additive=inner == "eager",
+                                documents=context.documents)
         with _kv_groups(module, heads // kv_heads):
             out, _ = function(module, q, k, v, mask, **kwargs)
         return heads_to_sequence(out, group, cp), None
@@ -95,6 +101,10 @@ def ulysses_core_attention(state: CPState, inner: Callable[..., torch.Tensor]) -
     def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any):
         if state.current is not None:
             state.current.attention_calls += 1
+            if state.current.documents is not None:  # the caller's mask would be the chunk's, not the documents'
+                raise ConfigError("position_ids", "packed documents", "use an HF attn_implementation for packed "
+                                  "sequences under context parallel, or one document per row",
+                                  reason="a cp_plan.attention_function gets no per-document mask")
         cp, group = state.size, state.group
         kv_heads = replicated_kv_heads(key.shape[1], cp)
         q = sequence_to_heads(query, group, cp)

@@ -1,0 +1,134 @@
+"""Batches for the training loop, and the loader's resumable state.
+
+A window becomes one row of four tensors:
+- ``input_ids``: its pieces back to back, then padding;
+- ``labels``: the pieces' tokens (SFT: -100 outside assistant turns), with the first token
+  of every piece at -100, so no position predicts across a boundary; padding is -100;
+- ``position_ids``: restarting at 0 in every piece and in the padding. transformers reads
+  packed sequences from exactly this and masks attention per document (and our context
+  parallel wrapper does the same on the whole sequence);
+- ``attention_mask``: only without packing (one piece per row, padding masked out).
+
+Training takes the stream of ``mixture.Mixture``: a step's global batch is its next
+``micro_batch x dp_size`` windows, data shard ``dp_rank`` the ``micro_batch`` at
+``dp_rank``. The state is the number of windows consumed, so a resume continues the same
+stream, at any data-parallel size, and takes every window exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fsdp_turbo.cli.data.mixture import Mixture
+from fsdp_turbo.cli.data.prepare import PreparedSource
+from fsdp_turbo.core.errors import ConfigError
+
+IGNORE = -100
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [micro_batch, seq_len]
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None  # without packing only
+
+    def to(self, device: torch.device) -> Batch:
+        mask = None if self.attention_mask is None else self.attention_mask.to(device)
+        return Batch(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device), mask)
+
+    def model_inputs(self) -> dict[str, Any]:
+        inputs = {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids,
+                  "use_cache": False}
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask
+        return inputs
+
+    def loss_tokens(self) -> int:
+        """Positions that carry loss (the model shifts labels by one)."""
+        return int((self.labels[:, 1:] != IGNORE).sum())
+
+
+def window_row(source: PreparedSource, window: int, seq_len: int, pad_id: int) -> tuple[list[int], ...]:
+    """(input_ids, labels, position_ids, attention_mask) of one window, as lists."""
+    pieces = source.windows.pieces(window)
+    rows = source.tokens[[doc for doc, _, _ in pieces]]
+    ids, labels, positions = [], [], []
+    for (_, start, length), doc_ids, doc_labels in zip(
+            pieces, rows["input_ids"], rows.get("labels", rows["input_ids"]), strict=True):
+        ids += doc_ids[start:start + length]
+        piece_labels = list(doc_labels[start:start + length])
+        piece_labels[0] = IGNORE
+        labels += piece_labels
+        positions += range(length)
+    used, pad = len(ids), seq_len - len(ids)
+    mask = [1] * used + [0] * pad
+    return ids + [pad_id] * pad, labels + [IGNORE] * pad, positions + list(range(pad)), mask
+
+
+def make_batch(rows: list[tuple[list[int], ...]], packing: bool) -> Batch:
+    ids, labels, positions, masks = (torch.tensor(column, dtype=torch.long) for column in zip(*rows, strict=True))
+    if not packing:
+        positions = torch.arange(ids.shape[1]).expand_as(ids).contiguous()  # one document per row
+    return Batch(ids, labels, positions, None if packing else masks)
+
+
+class TrainStream:
+    """The mixed, shuffled, resumable stream of training windows."""
+
+    def __init__(self, sources: list[PreparedSource], weights: list[float], *, seq_len: int, packing: bool,
+                 pad_id: int, seed: int) -> None:
+        self.sources, self.seq_len, self.packing, self.pad_id = sources, seq_len, packing, pad_id
+        self.seed = seed
+        self.mixture = Mixture(weights, [len(s.windows) for s in sources], seed)
+        self.consumed = 0  # windows taken, over all data shards
+
+    def windows_at(self, start: int, count: int) -> list[tuple[int, int]]:
+        return [self.mixture.at(position) for position in range(start, start + count)]
+
+    def batch_at(self, start: int, count: int) -> Batch:
+        rows = [window_row(self.sources[s], w, self.seq_len, self.pad_id) for s, w in self.windows_at(start, count)]
+        return make_batch(rows, self.packing)
+
+    def next_batch(self, micro_batch: int, dp_rank: int, dp_size: int) -> Batch:
+        """This shard's ``micro_batch`` rows of the next global batch."""
+        batch = self.batch_at(self.consumed + dp_rank * micro_batch, micro_batch)
+        self.consumed += micro_batch * dp_size
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed": self.consumed, "seed": self.seed, "sources": [s.key for s in self.sources]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("sources") != [s.key for s in self.sources] or state.get("seed") != self.seed:
+            raise ConfigError("data", {"seed": self.seed, "sources": [s.spec.path for s in self.sources]},
+                              "resume with the job's own data, tokenizer and run.seed, or with --resume none",
+                              reason="the checkpoint was written for other data")
+        self.consumed = int(state["consumed"])
+
+
+class EvalSet:
+    """The held-out windows in order; every evaluation reads the same first batches."""
+
+    def __init__(self, sources: list[PreparedSource], *, seq_len: int, packing: bool, pad_id: int) -> None:
+        self.index = [(s, w) for s, source in enumerate(sources) for w in range(len(source.windows))]
+        self.sources, self.seq_len, self.packing, self.pad_id = sources, seq_len, packing, pad_id
+
+    def batches(self, micro_batch: int, dp_rank: int, dp_size: int, count: int) -> list[Batch]:
+        """``count`` micro-batches of this shard; every shard gets as many (their forwards
+        run collectives together), so the set must hold ``count`` global batches."""
+        needed = count * micro_batch * dp_size
+        if len(self.index) < needed:
+            raise ConfigError("data.eval.batches", count, f"use at most {len(self.index) // (micro_batch * dp_size)}"
+                              " or add held-out data", reason=f"the eval set has {len(self.index)} windows, and "
+                              f"{count} batches of {micro_batch} rows on {dp_size} data shards need {needed}")
+        out = []
+        for b in range(count):
+            start = (b * dp_size + dp_rank) * micro_batch
+            rows = [window_row(self.sources[s], w, self.seq_len, self.pad_id)
+                    for s, w in self.index[start:start + micro_batch]]
+            out.append(make_batch(rows, self.packing))
+        return out

@@ -1,0 +1,83 @@
+"""The job's tokenizer: ``byte`` (vocab 256, no special tokens) or a local HF tokenizer folder.
+
+Both give the same small surface the data pipeline needs: encode a batch of documents,
+decode for ``fsdp-turbo data --show``, the padding id, a chat template (HF only) and a
+fingerprint that changes whenever the tokenizer's files do (the cache key).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from fsdp_turbo.core.errors import ConfigError
+
+BYTE = "byte"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens. A document needs no end token: packing marks its boundaries."""
+
+    vocab_size = 256
+    pad_id = 0
+    chat_template = None
+    fingerprint = "byte-v1"
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        return [list(text.encode("utf-8")) for text in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """``transformers.AutoTokenizer`` from a local folder, nothing downloaded. Documents get
+    the tokenizer's own special tokens (e.g. BOS) and end with its EOS token."""
+
+    def __init__(self, folder: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.folder = Path(folder)
+        self.hf = AutoTokenizer.from_pretrained(str(self.folder), local_files_only=True)
+        if not self.hf.is_fast:
+            raise ConfigError("data.tokenizer", folder, "use a tokenizer with a tokenizer.json (a fast tokenizer)",
+                              reason="SFT masks come from the fast tokenizer's character offsets")
+        self.vocab_size = len(self.hf)
+        self.eos_id = self.hf.eos_token_id
+        self.pad_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else (self.eos_id or 0)
+        self.chat_template = self.hf.chat_template
+        digest = hashlib.sha256()
+        for path in sorted(self.folder.iterdir()):
+            if path.is_file():
+                digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        self.fingerprint = f"hf-{digest.hexdigest()[:16]}"
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        encoded = self.hf(texts, add_special_tokens=True)["input_ids"]
+        if self.eos_id is None:
+            return encoded
+        return [ids if ids and ids[-1] == self.eos_id else [*ids, self.eos_id] for ids in encoded]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """A rendered chat (its special tokens are in the text already) and each token's
+        character span."""
+        out = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        return out["input_ids"], [tuple(span) for span in out["offset_mapping"]]
+
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = False) -> str:
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=False)
+
+
+def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
+    if spec == BYTE:
+        return ByteTokenizer()
+    folder = Path(spec)
+    if not folder.is_dir() or not ((folder / "tokenizer.json").is_file()
+                                   or (folder / "tokenizer_config.json").is_file()):
+        raise ConfigError("data.tokenizer", spec, "give a local tokenizer folder (with tokenizer.json and "
+                          "tokenizer_config.json), or 'byte'", reason="no tokenizer there")
+    return HFTokenizer(spec)

@@ -1,0 +1,57 @@
+"""The training step's loss normalisation and the held-out evaluation.
+
+Training loss is the mean over every token that carries loss in the step's global batch
+(all data shards, all gradient-accumulation micro-batches), as if the batch were one: each
+micro-batch's loss is its sum over ``num_items_in_batch``, the world mean of the step's
+loss-token counts. Data-parallel gradients are averaged over the data shards, which turns
+the shards' sums into the global mean. So SFT batches with few assistant tokens weigh as
+little as they should, and no shard's batch counts more than its tokens.
+
+Evaluation is token-weighted the same way: the sum of each micro-batch's mean loss times its
+loss tokens, over the eval batches and data shards, divided by their loss tokens. With
+packing that is exactly the mean over the held-out documents run one at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from fsdp_turbo.cli.data import Batch, EvalSet
+
+
+def _world_sum(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def items_per_rank(batches: list[Batch], device: torch.device) -> torch.Tensor:
+    """``num_items_in_batch`` for this step: the world mean of its loss-token counts (every
+    rank of a data shard holds the same batch, so the mean is the global count over dp)."""
+    (total,) = _world_sum([float(sum(b.loss_tokens() for b in batches))], device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return torch.tensor(max(total / world, 1.0), device=device)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, held_out: EvalSet, micro_batch: int, batches: int, dp_rank: int, dp_size: int,
+             device: torch.device) -> dict[str, float]:
+    """``eval_loss`` and ``eval_perplexity`` over the first ``batches`` eval micro-batches."""
+    was_training = model.training
+    model.eval()
+    weighted, tokens = 0.0, 0.0
+    try:
+        for batch in held_out.batches(micro_batch, dp_rank, dp_size, batches):
+            count = batch.loss_tokens()
+            loss = model(**batch.to(device).model_inputs()).loss
+            weighted += float(loss.float()) * count
+            tokens += count
+    finally:
+        model.train(was_training)
+    weighted, tokens = _world_sum([weighted, tokens], device)
+    loss = weighted / max(tokens, 1.0)
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}
