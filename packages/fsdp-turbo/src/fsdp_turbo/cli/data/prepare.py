@@ -63,6 +63,7 @@ class PreparedSource:
     tokens: Any  # datasets.Dataset: input_ids (and labels for SFT), memory-mapped
     windows: Windows
     stats: dict[str, int]
+    built: bool  # this process tokenized it (False: it found the cache)
 
 
 
@@ -175,8 +176,10 @@ def prepare_source(spec: SourceSpec, tokenizer, *, seq_len: int, packing: bool, 
     cache.mkdir(parents=True, exist_ok=True)
     key = cache_key(spec, tokenizer, seq_len, packing, overflow)
     final = cache / key
+    built = False
     with FileLock(str(cache / f"{key}.lock")):
         if not (final / "stats.json").is_file():
+            built = True
             partial = cache / f"{key}.partial.{os.getpid()}"
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir()
@@ -187,4 +190,4 @@ def prepare_source(spec: SourceSpec, tokenizer, *, seq_len: int, packing: bool, 
                 raise
             os.replace(partial, final)
     tokens, windows, stats = _load(final)
-    return PreparedSource(spec, key, tokens, windows, stats)
+    return PreparedSource(spec, key, tokens, windows, stats, built)
