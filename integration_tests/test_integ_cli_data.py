@@ -102,3 +102,12 @@ def test_a_bad_source_fails_before_launch_naming_the_line(job_file, tmp_path):
     result = fsdp_turbo("train", path, "--nproc-per-node", 2, "--output-dir", tmp_path / "out", check=False)
     assert result.returncode == 2 and f"{broken}:2" in result.stderr and "data.sources[1].path" in result.stderr
     assert "torch.distributed" not in result.stderr  # nothing was launched
+
+
+def test_fsdp_turbo_data_shows_the_first_sequences_and_statistics(job_file, tmp_path):
+    out = fsdp_turbo("data", job_file, "--show", 3, "--output-dir", tmp_path).stdout
+    assert "train data.sources[0]:" in out and "train data.sources[1]:" in out and "eval data.eval.sources[0]" in out
+    assert "623 documents" in out and "padding" in out and "truncated" in out
+    assert out.count("--- sequence") == 3
+    assert "⟦" in out and "<|im_start|>assistant\n⟦" in out  # SFT: the answer carries loss, the prompt not
+    assert (tmp_path / "data_cache").is_dir()  # the cache train will use

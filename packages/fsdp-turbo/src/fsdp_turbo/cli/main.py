@@ -5,11 +5,13 @@
                               [--stop-at-step N]
                               [torchrun rendezvous flags: --nnodes, --node-rank, --rdzv-*, ...]
     fsdp-turbo plan JOB.yaml [--world-size N]
+    fsdp-turbo data JOB.yaml [--show N] [--output-dir DIR]
 
 ``train`` checks the job file, then hands the job to PyTorch's own launcher
 (``torch.distributed.run``, i.e. torchrun), which starts ``fsdp_turbo.cli.worker`` on every
 rank, restarts the group when a worker dies (``--max-restarts``) and handles multi-node
-rendezvous. ``plan`` is a dry run on the meta device.
+rendezvous. ``plan`` is a dry run on the meta device. ``data`` tokenizes and packs the
+data (into the cache ``train`` then uses) and shows the first sequences and statistics.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="dry run: patterns, mesh layout and per-rank memory")
     plan.add_argument("config")
     plan.add_argument("--world-size", type=int, help="default: the product of the job's parallel sizes")
+    data = commands.add_parser("data", help="the first training sequences, decoded, and data statistics")
+    data.add_argument("config")
+    data.add_argument("--show", type=int, default=3, help="how many training sequences to print")
+    data.add_argument("--output-dir", help="override output_dir (where the data cache is, by default)")
     return parser
 
 
@@ -68,15 +74,15 @@ def _static_world(args: argparse.Namespace) -> int | None:
     return int(nproc) * int(nnodes) if nproc.isdigit() and nnodes.isdigit() else None
 
 
-def _prepare_data(job, output_dir: str | None) -> None:
+def _prepare_data(job, output_dir: str | None):
     """Tokenize and pack the data here, once, before any worker starts: a bad source is one
     clear error, and the workers find the cache (each prepares it itself only where this
     node has no copy, e.g. without a shared file system)."""
     from fsdp_turbo.cli.data import load_data
     from fsdp_turbo.cli.model import hf_config
 
-    load_data(job.data, output_dir or job.output_dir, job.run.seed, vocab_size=getattr(hf_config(job.model),
-                                                                                      "vocab_size", None))
+    vocab_size = getattr(hf_config(job.model), "vocab_size", None)
+    return load_data(job.data, output_dir or job.output_dir, job.run.seed, vocab_size=vocab_size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
             from fsdp_turbo.cli.plan import print_plan
 
             print_plan(job, args.world_size)
+            return 0
+        if args.command == "data":
+            from fsdp_turbo.cli.data.show import show
+
+            sys.stdout.write(show(job.data, _prepare_data(job, args.output_dir), args.show) + "\n")
             return 0
         world = _static_world(args)
         if world is not None:  # elastic ranges ("1:4") are checked by the workers
