@@ -95,3 +95,12 @@ def demo(session: nox.Session) -> None:
     _install(session, _package("fsdp-turbo"), *(_package(n) for n in ALL_PACKAGES[:-1]))
     session.run("fsdp-turbo", "train", "examples/qwen3_moe_tiny.yaml", "--nproc-per-node", "4",
                 "--output-dir", str(ROOT / "demo_output"), "--resume", "none", *session.posargs)
+
+
+@nox.session
+def demo_sft(session: nox.Session) -> None:
+    """SFT on the shipped chat data and tokenizer: `fsdp-turbo train examples/sft_tiny.yaml` on 4 CPU ranks."""
+    _install(session, _package("fsdp-turbo"), *(_package(n) for n in ALL_PACKAGES[:-1]))
+    session.run("fsdp-turbo", "data", "examples/sft_tiny.yaml", "--show", "2", "--output-dir", str(ROOT / "sft_output"))
+    session.run("fsdp-turbo", "train", "examples/sft_tiny.yaml", "--nproc-per-node", "4",
+                "--output-dir", str(ROOT / "sft_output"), "--resume", "none", *session.posargs)

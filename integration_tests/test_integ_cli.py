@@ -33,6 +33,10 @@ JOB = {
 }
 
 
+# measured, so they differ from run to run
+TIMING = ("tokens_per_s", "tflops_per_rank", "peak_memory_mib", "data_wait_s", "step_s")
+
+
 def fsdp_turbo(*args, env=None, check=True, timeout=600):
     command = [sys.executable, "-m", "fsdp_turbo.cli.main", *map(str, args)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
@@ -114,8 +118,7 @@ def test_a_job_from_a_checkpoint_trains_as_the_job_from_its_config(job_file, ref
     result = train(path_job, tmp_path / "out", 2, "--stop-at-step", 3)
     assert "this rank read" in result.stderr
     train(path_job, tmp_path / "out")
-    timing = ("tokens_per_s", "tflops_per_rank", "peak_memory_mib")
-    assert metrics(tmp_path / "out") == [{**row, **{k: r[k] for k in timing}} for row, r in
+    assert metrics(tmp_path / "out") == [{**row, **{k: r[k] for k in TIMING}} for row, r in
                                           zip(metrics(reference), metrics(tmp_path / "out"), strict=True)]
     assert_same_weights(weights(tmp_path / "out"), weights(reference))
 
@@ -126,8 +129,7 @@ def test_resume_after_a_clean_stop_continues_exactly(job_file, reference, tmp_pa
     before = (tmp_path / "metrics.jsonl").read_text()
     train(job_file, tmp_path)
     assert (tmp_path / "metrics.jsonl").read_text().startswith(before)  # appended, never rewritten
-    timing = ("tokens_per_s", "tflops_per_rank", "peak_memory_mib")  # measured, so they differ
-    assert metrics(tmp_path) == [{**row, **{k: r[k] for k in timing}}
+    assert metrics(tmp_path) == [{**row, **{k: r[k] for k in TIMING}}
                                  for row, r in zip(metrics(reference), metrics(tmp_path), strict=True)]
     assert_same_weights(weights(tmp_path), weights(reference))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_integ_cli import assert_same_weights, fsdp_turbo, metrics, train, weights
+from test_integ_cli import TIMING, assert_same_weights, fsdp_turbo, metrics, train, weights
 
 pytest.importorskip("datasets")
 pytestmark = pytest.mark.multirank
@@ -75,8 +75,7 @@ def test_kill_9_recovers_bit_identically_with_mixed_sources(job_file, reference,
     result = train(job_file, tmp_path, 2, "--max-restarts", 1, env={"FSDP_TURBO_TEST_HOOK_KILL_AT_STEP": "5:1"})
     assert "exitcode: -9" in result.stderr and "step-4 at step 4" in result.stderr
     assert_same_weights(weights(tmp_path), weights(reference))
-    timing = ("tokens_per_s", "tflops_per_rank", "peak_memory_mib")
-    assert metrics(tmp_path) == [{**row, **{k: r[k] for k in timing}}
+    assert metrics(tmp_path) == [{**row, **{k: r[k] for k in TIMING}}
                                  for row, r in zip(metrics(reference), metrics(tmp_path), strict=True)]
 
 

@@ -32,6 +32,7 @@ BENCHES = {
     "ulysses": [],
     "recompute": [],
     "load_pretrained": [],
+    "data_pipeline": [],
 }
 
 

@@ -125,6 +125,7 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
         total = torch.zeros((), device=device)
         poison = float("nan") if os.environ.get(NAN_ENV) == str(step) else 1.0
         batches = [loader.next_batch(run.micro_batch, state.dp_rank, state.dp_size) for _ in range(run.grad_accum)]
+        data_wait = time.perf_counter() - began  # the loop waits for nothing else before the forward
         items = items_per_rank(batches, device)  # the step's loss is its global token mean (see evaluation)
         for batch in batches:
             loss = model(**batch.to(device).model_inputs(), num_items_in_batch=items).loss * poison
@@ -152,7 +153,8 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
         if rank0:
             peak_mib = peak_memory_bytes(device.type) / 2**20
             row = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                   "tokens_per_s": tokens_per_s, "tflops_per_rank": tflops, "peak_memory_mib": peak_mib}
+                   "tokens_per_s": tokens_per_s, "tflops_per_rank": tflops, "peak_memory_mib": peak_mib,
+                   "data_wait_s": data_wait, "step_s": seconds}
             row.update(evaluation)
             if skipped:
                 row.update(skipped=not finite, skipped_steps=skipped)
