@@ -53,7 +53,8 @@ def formats(tmp_path_factory):
 @pytest.mark.parametrize("path", ["docs.jsonl", "docs.json", "docs.parquet", "docs.csv", "saved", "txt/*.txt"])
 def test_every_format_reads_the_same_documents(formats, tmp_path, path):
     data = _load(tmp_path, [{"path": str(formats / path), "text_field": "text"}])
-    expected = HFTokenizer(TOKENIZER).encode(DOCS)
+    plain = HFTokenizer(TOKENIZER).hf(DOCS)["input_ids"]  # transformers' own batched call, and EOS
+    expected = [[*ids, HFTokenizer(TOKENIZER).eos_id] for ids in plain]
     assert _all_tokens(data.train_sources[0]) == expected
     assert data.train_sources[0].stats["documents"] == len(DOCS)
 

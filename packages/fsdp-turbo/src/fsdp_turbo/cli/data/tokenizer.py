@@ -54,7 +54,9 @@ class HFTokenizer:
         self.fingerprint = f"hf-{digest.hexdigest()[:16]}"
 
     def encode(self, texts: list[str]) -> list[list[int]]:
-        encoded = self.hf(texts, add_special_tokens=True)["input_ids"]
+        # The Rust backend's batch call without character offsets: the same ids as
+        # ``self.hf(texts)`` (tested), in about two thirds of the time.
+        encoded = [e.ids for e in self.hf.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=True)]
         if self.eos_id is None:
             return encoded
         return [ids if ids and ids[-1] == self.eos_id else [*ids, self.eos_id] for ids in encoded]
