@@ -29,8 +29,10 @@ LAYOUTS = {
                                  "rowwise_parallel": ["*.o_proj", "*.down_proj"],
                                  "sequence_parallel": ["*layernorm", "model.norm"], "loss_parallel": True}},
     "cp2_fsdp2": {"fully_shard_parallel_size": 2, "context_parallel_size": 2},
+    "hsdp2x2_chunk_loss": {"data_parallel_size": 2, "fully_shard_parallel_size": 2, "chunk_loss": True,
+                           "chunk_loss_plan": {"chunk_size": 48}},
 }
-DP = {"fsdp2_tp2_sp": 2, "cp2_fsdp2": 2}
+DP = {"fsdp2_tp2_sp": 2, "cp2_fsdp2": 2, "hsdp2x2_chunk_loss": 4}
 
 
 def data_section(**overrides):
@@ -77,16 +79,17 @@ def each_document_alone(model, batch: Pieces) -> torch.Tensor:
     return total / count
 
 
-def reference(cache: str):
-    """Single process: every document alone; the eval loss the same way."""
+def reference(cache: str, dp: int):
+    """Single process: every document alone; the eval loss the same way (``dp`` data shards'
+    windows: the global batches and eval batches of the packed run)."""
     data = job_data(cache)
     model = tiny_hf_causal_lm("llama", vocab_size=VOCAB)
-    global_batch = MICRO_BATCH * 2  # dp = 2 in both layouts
+    global_batch = MICRO_BATCH * dp
     batches = [pieces_of(data.train, step * global_batch, global_batch) for step in range(STEPS)]
     record = train_steps(model, batches, loss_fn=each_document_alone)
     held_out = data.eval
     evaluated = Pieces([])
-    for source, window in held_out.index[: 2 * MICRO_BATCH * 2]:  # 2 eval batches on 2 data shards
+    for source, window in held_out.index[: 2 * MICRO_BATCH * dp]:  # 2 eval batches on dp data shards
         evaluated.rows += pieces_of_window(held_out.sources[source], window)
     with torch.no_grad():
         eval_loss = float(each_document_alone(model, evaluated))
