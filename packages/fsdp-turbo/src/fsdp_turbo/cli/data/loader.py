@@ -52,15 +52,20 @@ class Batch:
         return int((self.labels[:, 1:] != IGNORE).sum())
 
 
+def _slice(column, doc: int, start: int, length: int) -> list[int]:
+    # Only the piece leaves Arrow: a document may be far longer than seq_len.
+    return column[doc].values.slice(start, length).to_pylist()
+
+
 def window_row(source: PreparedSource, window: int, seq_len: int, pad_id: int) -> tuple[list[int], ...]:
     """(input_ids, labels, position_ids, attention_mask) of one window, as lists."""
-    pieces = source.windows.pieces(window)
-    rows = source.tokens[[doc for doc, _, _ in pieces]]
+    table = source.tokens.data
+    tokens = table.column("input_ids")
+    targets = table.column("labels") if "labels" in table.column_names else tokens
     ids, labels, positions = [], [], []
-    for (_, start, length), doc_ids, doc_labels in zip(
-            pieces, rows["input_ids"], rows.get("labels", rows["input_ids"]), strict=True):
-        ids += doc_ids[start:start + length]
-        piece_labels = list(doc_labels[start:start + length])
+    for doc, start, length in source.windows.pieces(window):
+        ids += _slice(tokens, doc, start, length)
+        piece_labels = _slice(targets, doc, start, length)
         piece_labels[0] = IGNORE
         labels += piece_labels
         positions += range(length)
