@@ -1,0 +1,95 @@
+"""The arithmetic of ring attention, as small pure functions (no communication).
+
+A rank holds a query chunk and sees the key/value chunks one at a time. Each block gives
+a partial output and the log-sum-exp of its scores; two partials merge exactly:
+
+    lse = logaddexp(lse_a, lse_b)
+    out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
+
+so the blocks can arrive in any order. The backward needs only the final output and
+log-sum-exp (FlashAttention's recomputation): per block, ``P = exp(S - lse)``,
+``dV = Pᵀ dO``, ``dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O))``, ``dQ = dS K · scale``,
+``dK = dSᵀ Q · scale``. Everything is in the inputs' dtype; fp32 is exact to rounding.
+
+Masks are built from global token positions, so the same code serves contiguous chunks
+and the zig-zag layout: key ``j`` is visible to query ``i`` when ``pos_k[j] <= pos_q[i]``
+(and, for packed rows, when both are in the same document). A query row that sees no key
+in a block has ``lse = -inf`` there and contributes nothing.
+
+Shapes: queries ``[B, H, Sq, D]``, keys and values ``[B, H, Sk, D]`` (K/V heads already
+repeated to H), masks ``[B or 1, 1, Sq, Sk]`` (True = attend), lse ``[B, H, Sq]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def zigzag_chunks(cp: int) -> list[tuple[int, int]]:
+    """The two of ``2 cp`` equal chunks each rank holds: ``r`` and ``2 cp - 1 - r``. Under a
+    causal mask every rank then has the same amount of work."""
+    return [(rank, 2 * cp - 1 - rank) for rank in range(cp)]
+
+
+def chunk_positions(seq_len: int, cp: int, rank: int, load_balance: bool) -> torch.Tensor:
+    """The global positions of rank ``rank``'s tokens (``seq_len`` a multiple of ``2 cp``
+    with load balancing, of ``cp`` without)."""
+    if not load_balance:
+        size = seq_len // cp
+        return torch.arange(rank * size, (rank + 1) * size)
+    size = seq_len // (2 * cp)
+    first, second = zigzag_chunks(cp)[rank]
+    return torch.cat([torch.arange(first * size, (first + 1) * size),
+                      torch.arange(second * size, (second + 1) * size)])
+
+
+def visible(q_positions: torch.Tensor, k_positions: torch.Tensor,
+            q_documents: torch.Tensor | None = None, k_documents: torch.Tensor | None = None) -> torch.Tensor:
+    """The causal (and per-document) mask ``[B or 1, 1, Sq, Sk]`` of one block."""
+    allowed = (k_positions[None, :] <= q_positions[:, None])[None, None]
+    if q_documents is not None:
+        allowed = allowed & (q_documents[:, None, :, None] == k_documents[:, None, None, :])
+    return allowed
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, lse) of the queries over one key/value block."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - _finite(lse)[..., None])
+    return torch.matmul(weights, v), lse
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    # A row that sees nothing: -inf; its weights must come out 0, not NaN.
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attentions of the same queries as one."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    base = _finite(lse)
+    scale_a = torch.exp(lse_a - base).nan_to_num(0.0)[..., None]
+    scale_b = torch.exp(lse_b - base).nan_to_num(0.0)[..., None]
+    return scale_a * out_a + scale_b * out_b, lse
+
+
+def block_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+                out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This block's share of dQ, and its whole dK and dV, from the final output and lse."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.exp(scores - _finite(lse)[..., None])
+    grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)
+    grad_probs = torch.matmul(grad_out, v.transpose(-1, -2))
+    delta = (grad_out * out).sum(-1, keepdim=True)
+    grad_scores = probs * (grad_probs - delta)
+    grad_q = torch.matmul(grad_scores, k) * scale
+    grad_k = torch.matmul(grad_scores.transpose(-1, -2), q) * scale
+    return grad_q, grad_k, grad_v

@@ -1,0 +1,99 @@
+"""Ring attention's arithmetic in one process: the ring is simulated by visiting every
+key/value chunk of every rank's queries; outputs and gradients must equal one full causal
+attention (float32)."""
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812 - the torch idiom
+
+from fsdp_turbo.distributed.context_parallel.ring_math import (
+    block_attention,
+    block_grads,
+    chunk_positions,
+    merge,
+    visible,
+    zigzag_chunks,
+)
+
+
+def _inputs(seq=16, heads=2, dim=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, heads, seq, dim, generator=generator) for _ in range(4)]  # q, k, v, grad_out
+
+
+def _ring(q, k, v, grad_out, cp, load_balance, documents=None):
+    """Each simulated rank: its queries against every rank's keys, merged; then the grads."""
+    seq, scale = q.shape[2], q.shape[-1] ** -0.5
+    out = torch.zeros_like(q)
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for rank in range(cp):
+        qpos = chunk_positions(seq, cp, rank, load_balance)
+        partial, lse = None, None
+        blocks = []
+        for source in range(cp):
+            kpos = chunk_positions(seq, cp, source, load_balance)
+            docs = (documents[:, qpos], documents[:, kpos]) if documents is not None else (None, None)
+            mask = visible(qpos, kpos, *docs)
+            blocks.append((kpos, mask))
+            block_out, block_lse = block_attention(q[:, :, qpos], k[:, :, kpos], v[:, :, kpos], scale, mask)
+            partial, lse = ((block_out, block_lse) if partial is None
+                            else merge(partial, lse, block_out, block_lse))
+        out[:, :, qpos] = partial
+        for kpos, mask in blocks:
+            dq, dk, dv = block_grads(q[:, :, qpos], k[:, :, kpos], v[:, :, kpos], scale, mask, partial, lse,
+                                     grad_out[:, :, qpos])
+            grads[0][:, :, qpos] += dq
+            grads[1][:, :, kpos] += dk
+            grads[2][:, :, kpos] += dv
+    return out, grads
+
+
+def _reference(q, k, v, grad_out, mask=None):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    if mask is None:
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    else:
+        out = F.scaled_dot_product_attention(*leaves, attn_mask=mask)
+    out.backward(grad_out)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def test_zigzag_gives_every_rank_the_same_causal_work():
+    assert zigzag_chunks(4) == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    work = [int(visible(chunk_positions(64, 4, r, True), torch.arange(64)).sum()) for r in range(4)]
+    assert len(set(work)) == 1
+    contiguous = [int(visible(chunk_positions(64, 4, r, False), torch.arange(64)).sum()) for r in range(4)]
+    assert contiguous[-1] > 3 * contiguous[0]
+    assert torch.cat([chunk_positions(64, 4, r, True) for r in range(4)]).sort().values.equal(torch.arange(64))
+
+
+@pytest.mark.parametrize("load_balance", [True, False])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_ring_equals_full_causal_attention(cp, load_balance):
+    q, k, v, grad_out = _inputs()
+    out, grads = _ring(q, k, v, grad_out, cp, load_balance)
+    expected, expected_grads = _reference(q, k, v, grad_out)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_documents_stay_apart_in_the_ring():
+    q, k, v, grad_out = _inputs()
+    documents = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16])
+    out, grads = _ring(q, k, v, grad_out, 4, True, documents)
+    mask = visible(torch.arange(16), torch.arange(16), documents, documents)
+    expected, expected_grads = _reference(q, k, v, grad_out, mask)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_block_a_row_cannot_see_contributes_nothing():
+    q, k, v, _ = _inputs(seq=4)
+    nothing = torch.zeros(1, 1, 4, 4, dtype=torch.bool)
+    out, lse = block_attention(q, k, v, 0.5, nothing)
+    assert torch.isinf(lse).all() and out.eq(0).all()
+    full_out, full_lse = block_attention(q, k, v, 0.5, None)
+    merged, merged_lse = merge(out, lse, full_out, full_lse)
+    assert merged.equal(full_out) and merged_lse.equal(full_lse)
