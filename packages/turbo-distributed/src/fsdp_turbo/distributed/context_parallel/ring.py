@@ -1,0 +1,98 @@
+"""Ring attention over a CP group: K/V chunks travel around the ring, queries stay.
+
+Forward: at step ``s`` a rank holds the K/V chunk of rank ``(rank - s) % cp``; it starts
+sending that chunk on to ``rank + 1`` (and receiving the next from ``rank - 1``), computes
+the block meanwhile, and merges it into its output by log-sum-exp (``ring_math``).
+
+Backward, the same ring again: each K/V chunk travels with its dK/dV accumulators; every
+rank adds the block's gradients to them and passes them on; after ``cp`` hops they are
+home, complete. dQ stays local. Only the final output and lse are kept from the forward.
+
+Masks come from the global positions (and documents) of both chunks, which every rank
+knows from the full sequence the input splitter saw, so nothing but K/V and their
+gradients crosses the ring.
+
+Why not ``torch.distributed.tensor.experimental.context_parallel``: it shards the buffers
+the caller names and patches ``scaled_dot_product_attention`` inside a context manager, so
+the training loop must change; and its SDPA ring (torch 2.13,
+``_context_parallel/_attention.py``) takes only ``is_causal``, no ``attn_mask`` (load
+balancing requires ``is_causal``), so padding masks and packed documents could not be
+honoured. Here the input hook and the HF attention interface already give us the sequence
+and the call site.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_turbo.distributed.context_parallel.ring_math import block_attention, block_grads, merge
+
+
+def _exchange(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[list[torch.Tensor], list]:
+    """Start sending ``tensors`` to the next rank and receiving the previous rank's; returns
+    the receive buffers and the requests to wait on."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    to_rank = dist.get_global_rank(group, (rank + 1) % size)
+    from_rank = dist.get_global_rank(group, (rank - 1) % size)
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), to_rank, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, buffer, from_rank, group) for buffer in received]
+    return received, dist.batch_isend_irecv(ops)
+
+
+class RingAttention(torch.autograd.Function):
+    """``out = softmax(q kᵀ · scale + mask) v`` over the whole sequence; q, k, v are this
+    rank's chunks ``[B, H, S/cp, D]``; ``masks[source]`` is the mask of this rank's queries
+    against rank ``source``'s keys (None: all visible; a tensor with no True: skipped)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                masks: list[torch.Tensor | None], group: dist.ProcessGroup) -> torch.Tensor:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        out, lse = None, None
+        current = [k, v]
+        for step in range(size):
+            pending = _exchange(current, group) if step + 1 < size else None
+            source = (rank - step) % size
+            mask = masks[source]
+            if mask is None or bool(mask.any()):
+                block_out, block_lse = block_attention(q, current[0], current[1], scale, mask)
+                out, lse = (block_out, block_lse) if out is None else merge(out, lse, block_out, block_lse)
+            if pending is not None:
+                received, requests = pending
+                for request in requests:
+                    request.wait()
+                current = received
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.masks, ctx.group = scale, masks, group
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, masks, scale = ctx.group, ctx.masks, ctx.scale
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        grad_q = torch.zeros_like(q)
+        travelling = [k, v, torch.zeros_like(k), torch.zeros_like(v)]
+        for step in range(size):
+            source = (rank - step) % size
+            mask = masks[source]
+            if mask is None or bool(mask.any()):
+                dq, dk, dv = block_grads(q, travelling[0], travelling[1], scale, mask, out, lse, grad_out)
+                grad_q += dq
+                travelling[2] = travelling[2] + dk
+                travelling[3] = travelling[3] + dv
+            # every hop, the last one included: it takes each chunk's gradients home
+            received, requests = _exchange(travelling if step + 1 < size else travelling[2:], group)
+            for request in requests:
+                request.wait()
+            travelling = received if step + 1 < size else [None, None, *received]
+        return grad_q, travelling[2], travelling[3], None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   masks: list[torch.Tensor | None], group: dist.ProcessGroup) -> torch.Tensor:
+    return RingAttention.apply(q, k, v, scale, masks, group)
