@@ -111,3 +111,22 @@ def test_output_attentions_under_cp_is_refused_on_every_rank():
 
     errors = run_distributed(cp_with_output_attentions, 2, timeout=120, return_exceptions=True)
     assert all(isinstance(e, ConfigError) and e.field == "output_attentions" for e in errors), errors
+
+
+@pytest.mark.parametrize("load_balance", [True, False])
+def test_ring_cp4_on_two_kv_heads(load_balance):
+    """CP=4 ring on a model with 2 K/V heads: past what Ulysses can do without replication."""
+    config = {"context_parallel_size": 4, "cp_plan": {"mode": "ring", "load_balance": load_balance}}
+    for record, implementation in run_distributed(cp_run, 4, "llama", BATCHES, config, timeout=300):
+        assert_parity(reference("llama"), record, **TOL)
+        assert implementation.startswith("fsdp_turbo_ring")
+
+
+def test_ring_odd_length_ignored_labels_and_padding():
+    ring = {"mode": "ring"}
+    for record, _ in run_distributed(cp_run, 4, "llama", ODD_BATCHES, {"context_parallel_size": 4, "cp_plan": ring},
+                                     None, "masked", timeout=300):
+        assert_parity(reference("llama", ODD_BATCHES, None, "masked"), record, **TOL)
+    config = {"context_parallel_size": 2, "fully_shard_parallel_size": 2, "cp_plan": ring}
+    for record, _ in run_distributed(cp_run, 4, "qwen3", ODD_BATCHES, config, None, "padded", timeout=300):
+        assert_parity(reference("qwen3", ODD_BATCHES, None, "padded"), record, **TOL)

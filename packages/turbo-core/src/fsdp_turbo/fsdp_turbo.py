@@ -51,12 +51,14 @@ def _world_and_rank() -> tuple[int, int]:
     return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
 
 
-def _check_model_shape(model: nn.Module, sizes: ParallelSizes) -> None:
+def _check_model_shape(model: nn.Module, sizes: ParallelSizes, config: FSDPTurboConfig) -> None:
     heads, kv_heads = attention_heads(model)
-    split = sizes.tp * sizes.cp
+    ring = config.cp_plan is not None and config.cp_plan.mode == "ring"
+    split = sizes.tp * (1 if ring else sizes.cp)  # a ring keeps every head on every CP rank
+    field = "tensor_parallel_size" if ring else "tensor_parallel_size*context_parallel_size"
     if heads is not None and split > 1 and heads % split:
-        raise ConfigError("tensor_parallel_size*context_parallel_size", split,
-                          f"use sizes whose product divides num_attention_heads={heads}",
+        fix = f"use sizes whose product divides num_attention_heads={heads}"
+        raise ConfigError(field, split, fix + ("" if ring or sizes.cp == 1 else ", or cp_plan.mode='ring'"),
                           reason=f"the model has {heads} attention heads ({kv_heads} key/value heads)")
 
 
@@ -86,7 +88,7 @@ class Planned(NamedTuple):
 def plan_transforms(config: FSDPTurboConfig, model: nn.Module, state: ParallelState,
                     transforms: TransformRegistry = registry) -> list[Planned]:
     """Plan every enabled feature; return the plans in the order to apply them. No collectives."""
-    _check_model_shape(model, state.sizes)
+    _check_model_shape(model, state.sizes, config)
     for feature in requested_features(config, state):
         if transforms.get(feature.transform) is None:
             raise _missing_feature_error(feature, config)

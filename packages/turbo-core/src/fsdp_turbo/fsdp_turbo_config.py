@@ -149,17 +149,35 @@ class EPPlanConfig(ConfigSection):
 
 @dataclass(frozen=True)
 class CPPlanConfig(ConfigSection):
-    """Ulysses context parallel. ``attention_function`` is a dotted path for non-HF models."""
+    """Context parallel. ``mode``: ``ulysses`` (all-to-all to head shards: bounded by the
+    head count), ``ring`` (K/V chunks travel around all ``context_parallel_size`` ranks;
+    any head count) or ``hybrid`` (Ulysses over ``ulysses_size`` ranks inside a ring).
+    ``load_balance``: ring chunks in zig-zag order, so every rank does the same causal work.
+    ``attention_function`` is a dotted path for non-HF models (Ulysses only)."""
 
     _prefix: ClassVar[str] = "cp_plan"
 
     attention_function: str | None = None
+    mode: str = "ulysses"
+    ulysses_size: int | None = None
+    load_balance: bool = True
 
     def __post_init__(self) -> None:
         fn = self.attention_function
         if fn is not None and (not isinstance(fn, str) or "." not in fn):
             raise ConfigError("cp_plan.attention_function", fn,
                               "use a dotted path such as 'my_pkg.attn.core_attention'")
+        _set(self, "mode", check_choice(self.mode, "cp_plan.mode", ("ulysses", "ring", "hybrid")))
+        check_bool(self.load_balance, "cp_plan.load_balance")
+        if self.ulysses_size is not None:
+            check_int(self.ulysses_size, "cp_plan.ulysses_size", minimum=1)
+        if self.mode == "hybrid":
+            raise ConfigError("cp_plan.mode", "hybrid", "use mode 'ring' or 'ulysses' for now",
+                              reason="hybrid Ulysses x ring is not built yet")
+        if self.mode == "ring" and fn is not None:
+            raise ConfigError("cp_plan.attention_function", fn, "use an HF model's attention with mode 'ring', "
+                              "or mode 'ulysses'", reason="ring attention computes attention itself, on HF "
+                              "attention calls")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ class ForwardContext:
     padding_mask: torch.Tensor | None = None  # [B, seq_len] bool, True = a real token, or None
     documents: torch.Tensor | None = None  # [B, seq_len] packed-document index of each token, or None
     attention_calls: int = 0  # how many attention layers ran through the Ulysses wrapper
+    # ring: the global positions (into the padded sequence) of each CP rank's tokens
+    rank_positions: list[torch.Tensor] | None = None
+    ring_masks: list[torch.Tensor | None] | None = None  # built by the first attention layer, reused
 
 
 @dataclass
@@ -26,4 +29,6 @@ class CPState:
     rank: int
     current: ForwardContext | None = field(default=None)
     attention_layers: int = 0  # the wrapper must run this many times a forward (0: not checked)
+    mode: str = "ulysses"  # or "ring"
+    load_balance: bool = True  # ring: zig-zag chunks
     proven: bool = False  # the first forward showed that it does

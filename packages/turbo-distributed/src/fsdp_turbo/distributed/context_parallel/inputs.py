@@ -21,12 +21,21 @@ import torch.nn.functional as F  # noqa: N812 - the torch idiom
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.distributed.context_parallel.context import CPState, ForwardContext
+from fsdp_turbo.distributed.context_parallel.ring_math import chunk_positions
 
 IGNORE_INDEX = -100
 
 
-def padded_length(seq_len: int, cp: int) -> int:
-    return -(-seq_len // cp) * cp
+def padded_length(seq_len: int, cp: int, multiple: int | None = None) -> int:
+    multiple = cp if multiple is None else multiple
+    return -(-seq_len // multiple) * multiple
+
+
+def rank_positions(state: CPState, full: int) -> list[torch.Tensor]:
+    """Each CP rank's token positions in the padded sequence: contiguous chunks (Ulysses, or
+    ring without load balancing) or the ring's zig-zag pairs."""
+    load_balance = state.mode == "ring" and state.load_balance
+    return [chunk_positions(full, state.size, rank, load_balance) for rank in range(state.size)]
 
 
 def _pad(x: torch.Tensor, extra: int, value: float | int) -> torch.Tensor:
@@ -51,9 +60,10 @@ def split_inputs(state: CPState, kwargs: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError("input_ids", None, "call the model with input_ids=[batch, seq] (or inputs_embeds) as a "
                           "keyword argument", reason="context parallel splits the sequence of those")
     batch, seq_len = tokens.shape[:2]
-    full = padded_length(seq_len, cp)
-    extra, chunk = full - seq_len, full // cp
-    local = slice(rank * chunk, (rank + 1) * chunk)
+    full = padded_length(seq_len, cp, 2 * cp if state.mode == "ring" and state.load_balance else cp)
+    extra = full - seq_len
+    positions_of = rank_positions(state, full)
+    local = positions_of[rank].to(tokens.device)
     out = dict(kwargs)
     for name in ("input_ids", "inputs_embeds"):
         if kwargs.get(name) is not None:
@@ -81,7 +91,8 @@ def split_inputs(state: CPState, kwargs: dict[str, Any]) -> dict[str, Any]:
         padding = _pad(mask.bool(), extra, False)
         padding = None if bool(padding[:, :seq_len].all()) else padding
         out["attention_mask"] = None  # the wrapper builds the full-sequence mask itself
-    state.current = ForwardContext(full, padding, packed_documents(kwargs.get("position_ids"), extra))
+    state.current = ForwardContext(full, padding, packed_documents(kwargs.get("position_ids"), extra),
+                                   rank_positions=positions_of if state.mode == "ring" else None)
     return out
 
 

@@ -36,13 +36,19 @@ class CPTarget:
 
 @dataclass(frozen=True)
 class CPPlan(FeaturePlan):
-    """Ulysses over ``size`` ranks around ``target``."""
+    """Ulysses (or a ring) over ``size`` ranks around ``target``."""
 
     size: int
     target: CPTarget
     attention_layers: int = 0  # the wrapper must run in this many layers each forward (0: unchecked)
+    mode: str = "ulysses"
+    load_balance: bool = True  # ring: zig-zag chunks
 
     def describe(self) -> tuple[PlanRow, ...]:
+        if self.mode == "ring":
+            chunks = "zig-zag chunks" if self.load_balance else "contiguous chunks"
+            return (PlanRow("cp_plan (attention)", (f"ring over {self.size} ranks ({chunks}) on "
+                                                    f"{self.target.describe()} calls",)),)
         return (PlanRow("cp_plan (attention)", (self.target.describe(),)),)
 
     def estimate(self, memory: MemoryModel) -> None:

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_turbo.distributed.context_parallel.ring_math import block_attention, block_grads, merge
+from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.distributed.context_parallel.ring_math import block_attention, block_grads, merge, visible
 
 
 def _exchange(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[list[torch.Tensor], list]:
@@ -96,3 +97,47 @@ class RingAttention(torch.autograd.Function):
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                    masks: list[torch.Tensor | None], group: dist.ProcessGroup) -> torch.Tensor:
     return RingAttention.apply(q, k, v, scale, masks, group)
+
+
+def ring_masks(context, rank: int, device: torch.device) -> list[torch.Tensor | None]:
+    """This rank's queries against every rank's keys: causal by global position, within
+    each packed document, and never onto padding."""
+    positions = [p.to(device) for p in context.rank_positions]
+    mine = positions[rank]
+    documents = None if context.documents is None else context.documents.to(device)
+    masks = []
+    for theirs in positions:
+        docs = (documents[:, mine], documents[:, theirs]) if documents is not None else (None, None)
+        allowed = visible(mine, theirs, *docs)
+        if context.padding_mask is not None:
+            allowed = allowed & context.padding_mask.to(device)[:, theirs][:, None, None, :]
+        masks.append(allowed)
+    return masks
+
+
+def ring_hf_attention(state) -> Any:
+    """An HF attention function (``AttentionInterface`` signature) computing attention on
+    the whole sequence by ring; the model's own mask is ignored (it covers the chunk only)."""
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        context = state.current
+        if context is None:
+            raise RuntimeError("context-parallel attention ran outside a context-parallel forward")
+        if dropout and module.training:
+            raise ConfigError("cp_plan.mode", "ring", "set the model's attention_dropout to 0 under ring "
+                              "context parallel", reason="ring attention has no dropout")
+        unsupported = sorted(k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None)
+        if unsupported:
+            raise ConfigError("cp_plan.mode", "ring", "use mode 'ulysses' for this model",
+                              reason=f"ring attention does not implement {unsupported}")
+        context.attention_calls += 1
+        if context.ring_masks is None:
+            context.ring_masks = ring_masks(context, state.rank, query.device)
+        groups = query.shape[1] // key.shape[1]
+        key, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        # fp32 blocks: the merge and the recomputed backward are exact to rounding
+        out = ring_attention(query.float(), key.float(), value.float(), scale, context.ring_masks, state.group)
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+    return attention

@@ -16,6 +16,7 @@ from fsdp_turbo.distributed.context_parallel.context import CPState
 from fsdp_turbo.distributed.context_parallel.inputs import install_input_splitter
 from fsdp_turbo.distributed.context_parallel.loss import install_loss_sum
 from fsdp_turbo.distributed.context_parallel.plan import CPPlan, CPTarget, resolve_cp_target
+from fsdp_turbo.distributed.context_parallel.ring import ring_hf_attention
 from fsdp_turbo.distributed.context_parallel.ulysses import ulysses_core_attention, ulysses_hf_attention
 from fsdp_turbo.fsdp_turbo_config import CPPlanConfig, FSDPTurboConfig
 
@@ -25,8 +26,9 @@ _names = itertools.count()
 
 def _install_hf(model: nn.Module, state: CPState, implementation: str) -> str:
     # One registered name per model: the wrapper closes over that model's CP group.
-    name = f"fsdp_turbo_ulysses_{next(_names)}_{implementation}"
-    register_attention_function(name, ulysses_hf_attention(state, implementation))
+    name = f"fsdp_turbo_{state.mode}_{next(_names)}_{implementation}"
+    wrapper = ring_hf_attention(state) if state.mode == "ring" else ulysses_hf_attention(state, implementation)
+    register_attention_function(name, wrapper)
     model.config._attn_implementation = name
     return name
 
@@ -41,13 +43,14 @@ def apply_cp_plan(model: nn.Module, plan: CPPlan, cp_mesh) -> CPState:
     """Install Ulysses as planned; ``cp_mesh`` is the 1-D CP mesh."""
     target = plan.target
     state = CPState(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(),
-                    attention_layers=plan.attention_layers)
+                    attention_layers=plan.attention_layers, mode=plan.mode, load_balance=plan.load_balance)
     where = _install_hf(model, state, target.hf_implementation) if target.hf_implementation else (
         _install_function(target, state))
     install_input_splitter(model, state)
     install_loss_sum(model, state.group, state.size)
     model.context_parallel_state = state
-    _log.info(f"context_parallel over {state.size} ranks: Ulysses around {where}")
+    how = "a ring" if plan.mode == "ring" else "Ulysses"
+    _log.info(f"context_parallel over {state.size} ranks: {how} around {where}")
     return state
 
 
@@ -67,8 +70,10 @@ class ContextParallelTransform(Transform):
              upstream: Plans) -> CPPlan:
         # Every repeated block (decoder layer) has one attention the wrapper must run in; a
         # model without such blocks at least one.
-        return CPPlan(parallel_state.cp_size, resolve_cp_target(model, config.cp_plan),
-                      len(repeated_blocks(model)) or 1)
+        cp_plan = config.cp_plan
+        return CPPlan(parallel_state.cp_size, resolve_cp_target(model, cp_plan), len(repeated_blocks(model)) or 1,
+                      mode=cp_plan.mode if cp_plan else "ulysses",
+                      load_balance=cp_plan.load_balance if cp_plan else True)
 
     def apply(self, model: nn.Module, plan: CPPlan, parallel_state: ParallelState) -> nn.Module:
         apply_cp_plan(model, plan, parallel_state.mesh("cp"))
