@@ -130,3 +130,41 @@ def test_ring_odd_length_ignored_labels_and_padding():
     config = {"context_parallel_size": 2, "fully_shard_parallel_size": 2, "cp_plan": ring}
     for record, _ in run_distributed(cp_run, 4, "qwen3", ODD_BATCHES, config, None, "padded", timeout=300):
         assert_parity(reference("qwen3", ODD_BATCHES, None, "padded"), record, **TOL)
+
+
+def test_ring_cp2_x_tp2():
+    config = {"context_parallel_size": 2, "tensor_parallel_size": 2, "tp_plan": TP_PLAN, "cp_plan": {"mode": "ring"}}
+    for record, _ in run_distributed(cp_run, 4, "llama", BATCHES, config, timeout=300):
+        assert_parity(reference("llama"), record, **TOL)
+
+
+def test_ring_cp2_x_ep2_moe():
+    from ep_jobs import ep_run
+    from ep_jobs import reference_run as moe_reference_run
+
+    expected = run_reference(moe_reference_run, "qwen3_moe", BATCHES, timeout=300)
+    config = {"context_parallel_size": 2, "expert_parallel_size": 2, "ep_plan": {"dispatcher": "fused"},
+              "cp_plan": {"mode": "ring"}}
+    for record, _, _ in run_distributed(ep_run, 4, "qwen3_moe", BATCHES, config, timeout=300):
+        assert_parity(expected, record, **TOL)
+
+
+def test_ring_with_recompute_and_chunked_loss():
+    config = {"context_parallel_size": 4, "cp_plan": {"mode": "ring"}, "recompute": True,
+              "recompute_policy": "selective", "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12}}
+    for record, _ in run_distributed(cp_run, 4, "llama", BATCHES, config, timeout=300):
+        assert_parity(reference("llama"), record, **TOL)
+
+
+def test_ring_sends_only_key_value_chunks_around_the_ring():
+    """One step at CP=4 ring: per layer, the forward passes K and V on 3 times and the
+    backward K, V, dK, dV 3 times and dK, dV once more (home): 2*3 + 4*3 + 2 sends."""
+    counts = run_distributed(count_collectives_run, 4, "llama", BATCHES,
+                             {"context_parallel_size": 4, "cp_plan": {"mode": "ring"}}, timeout=300)[0]
+    layers = 2
+    assert counts.pop("c10d::send") == (2 * 3 + 4 * 3 + 2) * layers, counts
+    assert counts.pop("c10d::recv_") == (2 * 3 + 4 * 3 + 2) * layers, counts
+    assert "_c10d_functional::all_to_all_single" not in counts
+    assert counts.pop("c10d::allreduce_") == 1
+    assert set(counts) <= {"c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesced",
+                           "c10d::_reduce_scatter_base_", "c10d::reduce_scatter_tensor_coalesced"}, counts
