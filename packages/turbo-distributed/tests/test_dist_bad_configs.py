@@ -30,6 +30,11 @@ CASES = {
                                               "cp_plan.attention_function"),
     "cp_attention_function_not_a_path": ({"context_parallel_size": 2, "cp_plan": {"attention_function": "sdpa"}},
                                          "cp_plan.attention_function"),
+    "cp_unknown_mode": ({"context_parallel_size": 2, "cp_plan": {"mode": "spiral"}}, "cp_plan.mode"),
+    "cp_hybrid_not_built": ({"context_parallel_size": 4, "cp_plan": {"mode": "hybrid", "ulysses_size": 2}},
+                            "cp_plan.mode"),
+    "cp_ring_with_attention_function": ({"context_parallel_size": 2, "cp_plan": {
+        "mode": "ring", "attention_function": "cp_jobs.core_attention"}}, "cp_plan.attention_function"),
     "ep_does_not_divide_world": ({"expert_parallel_size": 3, "ep_plan": {}}, "expert_parallel_size"),
     "unknown_dispatcher": ({"expert_parallel_size": 2, "ep_plan": {"dispatcher": "allgather"}},
                            "ep_plan.dispatcher"),
