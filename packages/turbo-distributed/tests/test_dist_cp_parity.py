@@ -168,3 +168,19 @@ def test_ring_sends_only_key_value_chunks_around_the_ring():
     assert counts.pop("c10d::allreduce_") == 1
     assert set(counts) <= {"c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesced",
                            "c10d::_reduce_scatter_base_", "c10d::reduce_scatter_tensor_coalesced"}, counts
+
+
+@pytest.mark.parametrize("load_balance", [True, False])
+def test_hybrid_ulysses2_x_ring2(load_balance):
+    config = {"context_parallel_size": 4,
+              "cp_plan": {"mode": "hybrid", "ulysses_size": 2, "load_balance": load_balance}}
+    for record, implementation in run_distributed(cp_run, 4, "llama", BATCHES, config, timeout=300):
+        assert_parity(reference("llama"), record, **TOL)
+        assert implementation.startswith("fsdp_turbo_hybrid")
+
+
+def test_hybrid_with_chunked_loss_recompute_odd_lengths_and_ignored_labels():
+    config = {"context_parallel_size": 4, "cp_plan": {"mode": "hybrid", "ulysses_size": 2},
+              "recompute": True, "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12}}
+    for record, _ in run_distributed(cp_run, 4, "llama", ODD_BATCHES, config, None, "masked", timeout=300):
+        assert_parity(reference("llama", ODD_BATCHES, None, "masked"), record, **TOL)

@@ -53,12 +53,16 @@ def _world_and_rank() -> tuple[int, int]:
 
 def _check_model_shape(model: nn.Module, sizes: ParallelSizes, config: FSDPTurboConfig) -> None:
     heads, kv_heads = attention_heads(model)
-    ring = config.cp_plan is not None and config.cp_plan.mode == "ring"
-    split = sizes.tp * (1 if ring else sizes.cp)  # a ring keeps every head on every CP rank
-    field = "tensor_parallel_size" if ring else "tensor_parallel_size*context_parallel_size"
+    mode = config.cp_plan.mode if config.cp_plan is not None and sizes.cp > 1 else "ulysses"
+    # the heads split over TP and over the Ulysses ranks of CP; a ring keeps them all
+    ulysses, field = {"ulysses": (sizes.cp, "tensor_parallel_size*context_parallel_size"),
+                      "ring": (1, "tensor_parallel_size"),
+                      "hybrid": (config.cp_plan.ulysses_size if mode == "hybrid" else 1,
+                                 "tensor_parallel_size*cp_plan.ulysses_size")}[mode]
+    split = sizes.tp * ulysses
     if heads is not None and split > 1 and heads % split:
         fix = f"use sizes whose product divides num_attention_heads={heads}"
-        raise ConfigError(field, split, fix + ("" if ring or sizes.cp == 1 else ", or cp_plan.mode='ring'"),
+        raise ConfigError(field, split, fix + (", or cp_plan.mode='ring'" if mode != "ring" and sizes.cp > 1 else ""),
                           reason=f"the model has {heads} attention heads ({kv_heads} key/value heads)")
 
 

@@ -171,13 +171,16 @@ class CPPlanConfig(ConfigSection):
         check_bool(self.load_balance, "cp_plan.load_balance")
         if self.ulysses_size is not None:
             check_int(self.ulysses_size, "cp_plan.ulysses_size", minimum=1)
-        if self.mode == "hybrid":
-            raise ConfigError("cp_plan.mode", "hybrid", "use mode 'ring' or 'ulysses' for now",
-                              reason="hybrid Ulysses x ring is not built yet")
-        if self.mode == "ring" and fn is not None:
-            raise ConfigError("cp_plan.attention_function", fn, "use an HF model's attention with mode 'ring', "
-                              "or mode 'ulysses'", reason="ring attention computes attention itself, on HF "
-                              "attention calls")
+        if (self.mode == "hybrid") != (self.ulysses_size is not None):
+            raise ConfigError("cp_plan.ulysses_size", self.ulysses_size,
+                              "give ulysses_size with mode 'hybrid' (and only then)",
+                              reason=f"mode is {self.mode!r}")
+        if self.ulysses_size is not None and self.ulysses_size < 2:
+            raise ConfigError("cp_plan.ulysses_size", self.ulysses_size, "use at least 2 (1 is mode 'ring')")
+        if self.mode != "ulysses" and fn is not None:
+            raise ConfigError("cp_plan.attention_function", fn, f"use an HF model's attention with mode "
+                              f"{self.mode!r}, or mode 'ulysses'",
+                              reason="ring attention computes attention itself, on HF attention calls")
 
 
 @dataclass(frozen=True)

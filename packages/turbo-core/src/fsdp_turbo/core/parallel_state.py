@@ -215,6 +215,17 @@ class ParallelState:
             return self.dense_mesh[shard]
         return self.dense_mesh["dp_replicate", shard]
 
+    def ranks_along(self, name: str) -> list[list[int]]:
+        """Every group of global ranks that differ only along the dense dim ``name``, each in
+        that dim's order: what ``mesh(name)`` spans on each rank. For sub-groups that every
+        rank must create in the same order (``torch.distributed.new_group``)."""
+        index = DENSE_DIMS.index(name)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            coords = _coordinates(rank, self.sizes.dense_shape)
+            groups.setdefault(coords[:index] + coords[index + 1:], []).append(rank)
+        return [groups[key] for key in sorted(groups)]
+
     def group(self, *names: str) -> torch.distributed.ProcessGroup:
         """The process group spanning ``names`` (flattened when several)."""
         return self.flat_mesh(*names).get_group()

@@ -15,8 +15,8 @@ class ForwardContext:
     padding_mask: torch.Tensor | None = None  # [B, seq_len] bool, True = a real token, or None
     documents: torch.Tensor | None = None  # [B, seq_len] packed-document index of each token, or None
     attention_calls: int = 0  # how many attention layers ran through the Ulysses wrapper
-    # ring: the global positions (into the padded sequence) of each CP rank's tokens
-    rank_positions: list[torch.Tensor] | None = None
+    # ring / hybrid: the global positions (in the padded sequence) of each ring member's tokens
+    ring_positions: list[torch.Tensor] | None = None
     ring_masks: list[torch.Tensor | None] | None = None  # built by the first attention layer, reused
 
 
@@ -29,6 +29,24 @@ class CPState:
     rank: int
     current: ForwardContext | None = field(default=None)
     attention_layers: int = 0  # the wrapper must run this many times a forward (0: not checked)
-    mode: str = "ulysses"  # or "ring"
-    load_balance: bool = True  # ring: zig-zag chunks
+    mode: str = "ulysses"  # "ring" or "hybrid"
+    load_balance: bool = True  # ring / hybrid: zig-zag chunks over the ring
+    # The two halves of CP rank ``ring_rank * ulysses_size + ulysses_rank``: the Ulysses
+    # all-to-all runs inside a group of ulysses_size consecutive CP ranks, the ring across them.
+    # Pure Ulysses: ulysses = the whole CP group; pure ring: ring = the whole CP group.
+    ulysses_group: dist.ProcessGroup | None = None
+    ulysses_size: int = 0
+    ring_group: dist.ProcessGroup | None = None
+    ring_size: int = 1
+    ring_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode == "ulysses" and not self.ulysses_size:
+            self.ulysses_group, self.ulysses_size = self.group, self.size
+        if self.mode == "ring" and self.ring_group is None:
+            self.ring_group, self.ring_size, self.ring_rank, self.ulysses_size = self.group, self.size, self.rank, 1
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.rank % self.ulysses_size
     proven: bool = False  # the first forward showed that it does

@@ -31,11 +31,18 @@ def padded_length(seq_len: int, cp: int, multiple: int | None = None) -> int:
     return -(-seq_len // multiple) * multiple
 
 
-def rank_positions(state: CPState, full: int) -> list[torch.Tensor]:
-    """Each CP rank's token positions in the padded sequence: contiguous chunks (Ulysses, or
-    ring without load balancing) or the ring's zig-zag pairs."""
-    load_balance = state.mode == "ring" and state.load_balance
-    return [chunk_positions(full, state.size, rank, load_balance) for rank in range(state.size)]
+def ring_positions(state: CPState, full: int) -> list[torch.Tensor]:
+    """Each ring member's token positions in the padded sequence: contiguous chunks, or
+    zig-zag pairs with load balancing (pure Ulysses: one member, the whole sequence)."""
+    load_balance = state.mode != "ulysses" and state.load_balance
+    return [chunk_positions(full, state.ring_size, member, load_balance) for member in range(state.ring_size)]
+
+
+def local_positions(state: CPState, members: list[torch.Tensor]) -> torch.Tensor:
+    """This rank's positions: its Ulysses rank's contiguous part of its ring member's."""
+    mine = members[state.ring_rank]
+    part = mine.numel() // state.ulysses_size
+    return mine[state.ulysses_rank * part:(state.ulysses_rank + 1) * part]
 
 
 def _pad(x: torch.Tensor, extra: int, value: float | int) -> torch.Tensor:
@@ -52,7 +59,7 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
 
 def split_inputs(state: CPState, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The rank's chunk of a full-length HF forward call; records the forward's context."""
-    cp, rank = state.size, state.rank
+    cp = state.size
     tokens = kwargs.get("input_ids")
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
@@ -60,10 +67,10 @@ def split_inputs(state: CPState, kwargs: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError("input_ids", None, "call the model with input_ids=[batch, seq] (or inputs_embeds) as a "
                           "keyword argument", reason="context parallel splits the sequence of those")
     batch, seq_len = tokens.shape[:2]
-    full = padded_length(seq_len, cp, 2 * cp if state.mode == "ring" and state.load_balance else cp)
+    full = padded_length(seq_len, cp, 2 * cp if state.mode != "ulysses" and state.load_balance else cp)
     extra = full - seq_len
-    positions_of = rank_positions(state, full)
-    local = positions_of[rank].to(tokens.device)
+    members = ring_positions(state, full)
+    local = local_positions(state, members).to(tokens.device)
     out = dict(kwargs)
     for name in ("input_ids", "inputs_embeds"):
         if kwargs.get(name) is not None:
@@ -92,7 +99,7 @@ def split_inputs(state: CPState, kwargs: dict[str, Any]) -> dict[str, Any]:
         padding = None if bool(padding[:, :seq_len].all()) else padding
         out["attention_mask"] = None  # the wrapper builds the full-sequence mask itself
     state.current = ForwardContext(full, padding, packed_documents(kwargs.get("position_ids"), extra),
-                                   rank_positions=positions_of if state.mode == "ring" else None)
+                                   ring_positions=members if state.mode != "ulysses" else None)
     return out
 
 

@@ -42,12 +42,17 @@ class CPPlan(FeaturePlan):
     target: CPTarget
     attention_layers: int = 0  # the wrapper must run in this many layers each forward (0: unchecked)
     mode: str = "ulysses"
-    load_balance: bool = True  # ring: zig-zag chunks
+    load_balance: bool = True  # ring / hybrid: zig-zag chunks
+    ulysses_size: int = 0  # hybrid: the Ulysses ranks inside each ring member
 
     def describe(self) -> tuple[PlanRow, ...]:
+        chunks = "zig-zag chunks" if self.load_balance else "contiguous chunks"
         if self.mode == "ring":
-            chunks = "zig-zag chunks" if self.load_balance else "contiguous chunks"
             return (PlanRow("cp_plan (attention)", (f"ring over {self.size} ranks ({chunks}) on "
+                                                    f"{self.target.describe()} calls",)),)
+        if self.mode == "hybrid":
+            ring = self.size // self.ulysses_size
+            return (PlanRow("cp_plan (attention)", (f"Ulysses {self.ulysses_size} x ring {ring} ({chunks}) on "
                                                     f"{self.target.describe()} calls",)),)
         return (PlanRow("cp_plan (attention)", (self.target.describe(),)),)
 

@@ -102,7 +102,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 def ring_masks(context, rank: int, device: torch.device) -> list[torch.Tensor | None]:
     """This rank's queries against every rank's keys: causal by global position, within
     each packed document, and never onto padding."""
-    positions = [p.to(device) for p in context.rank_positions]
+    positions = [p.to(device) for p in context.ring_positions]
     mine = positions[rank]
     documents = None if context.documents is None else context.documents.to(device)
     masks = []
@@ -115,29 +115,41 @@ def ring_masks(context, rank: int, device: torch.device) -> list[torch.Tensor | 
     return masks
 
 
-def ring_hf_attention(state) -> Any:
-    """An HF attention function (``AttentionInterface`` signature) computing attention on
-    the whole sequence by ring; the model's own mask is ignored (it covers the chunk only)."""
+def ring_core(state) -> Any:
+    """The ring as an HF core attention: ``query [B, H, S_member, D]`` of this ring member
+    (a pure ring: this rank's chunk; hybrid: its Ulysses group's, for H/ulysses heads)."""
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         context = state.current
         if context is None:
             raise RuntimeError("context-parallel attention ran outside a context-parallel forward")
         if dropout and module.training:
-            raise ConfigError("cp_plan.mode", "ring", "set the model's attention_dropout to 0 under ring "
+            raise ConfigError("cp_plan.mode", state.mode, "set the model's attention_dropout to 0 under ring "
                               "context parallel", reason="ring attention has no dropout")
         unsupported = sorted(k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None)
         if unsupported:
-            raise ConfigError("cp_plan.mode", "ring", "use mode 'ulysses' for this model",
+            raise ConfigError("cp_plan.mode", state.mode, "use mode 'ulysses' for this model",
                               reason=f"ring attention does not implement {unsupported}")
-        context.attention_calls += 1
         if context.ring_masks is None:
-            context.ring_masks = ring_masks(context, state.rank, query.device)
+            context.ring_masks = ring_masks(context, state.ring_rank, query.device)
         groups = query.shape[1] // key.shape[1]
         key, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         # fp32 blocks: the merge and the recomputed backward are exact to rounding
-        out = ring_attention(query.float(), key.float(), value.float(), scale, context.ring_masks, state.group)
+        out = ring_attention(query.float(), key.float(), value.float(), scale, context.ring_masks, state.ring_group)
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+def ring_hf_attention(state) -> Any:
+    """An HF attention function (``AttentionInterface`` signature) computing attention on
+    the whole sequence by ring; the model's own mask is ignored (it covers the chunk only)."""
+    core = ring_core(state)
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if state.current is not None:
+            state.current.attention_calls += 1
+        return core(module, query, key, value, attention_mask, **kwargs)
 
     return attention

@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib
 import itertools
 
+import torch.distributed as dist
 from torch import nn
 
+from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.hf import register_attention_function
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.model_inspect import repeated_blocks
@@ -16,7 +18,7 @@ from fsdp_turbo.distributed.context_parallel.context import CPState
 from fsdp_turbo.distributed.context_parallel.inputs import install_input_splitter
 from fsdp_turbo.distributed.context_parallel.loss import install_loss_sum
 from fsdp_turbo.distributed.context_parallel.plan import CPPlan, CPTarget, resolve_cp_target
-from fsdp_turbo.distributed.context_parallel.ring import ring_hf_attention
+from fsdp_turbo.distributed.context_parallel.ring import ring_core, ring_hf_attention
 from fsdp_turbo.distributed.context_parallel.ulysses import ulysses_core_attention, ulysses_hf_attention
 from fsdp_turbo.fsdp_turbo_config import CPPlanConfig, FSDPTurboConfig
 
@@ -27,7 +29,9 @@ _names = itertools.count()
 def _install_hf(model: nn.Module, state: CPState, implementation: str) -> str:
     # One registered name per model: the wrapper closes over that model's CP group.
     name = f"fsdp_turbo_{state.mode}_{next(_names)}_{implementation}"
-    wrapper = ring_hf_attention(state) if state.mode == "ring" else ulysses_hf_attention(state, implementation)
+    wrapper = {"ring": lambda: ring_hf_attention(state),
+               "hybrid": lambda: ulysses_hf_attention(state, implementation, core=ring_core(state)),
+               "ulysses": lambda: ulysses_hf_attention(state, implementation)}[state.mode]()
     register_attention_function(name, wrapper)
     model.config._attn_implementation = name
     return name
@@ -39,17 +43,43 @@ def _install_function(target: CPTarget, state: CPState) -> str:
     return target.function_path
 
 
-def apply_cp_plan(model: nn.Module, plan: CPPlan, cp_mesh) -> CPState:
-    """Install Ulysses as planned; ``cp_mesh`` is the 1-D CP mesh."""
+def _hybrid_groups(cp_groups: list[list[int]], ulysses: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's (Ulysses, ring) groups. Every rank creates every group, in one order, as
+    ``new_group`` requires: within each CP group, Ulysses over consecutive CP ranks and the
+    ring across them."""
+    me = dist.get_rank()
+    mine: dict[str, dist.ProcessGroup] = {}
+    for ranks in cp_groups:
+        inner = [ranks[o:o + ulysses] for o in range(0, len(ranks), ulysses)]
+        outer = [ranks[i::ulysses] for i in range(ulysses)]
+        for kind, groups in (("ulysses", inner), ("ring", outer)):
+            for members in groups:
+                group = dist.new_group(members)
+                if me in members:
+                    mine[kind] = group
+    return mine["ulysses"], mine["ring"]
+
+
+def apply_cp_plan(model: nn.Module, plan: CPPlan, cp_mesh, cp_groups: list[list[int]] | None = None) -> CPState:
+    """Install CP as planned; ``cp_mesh`` is the 1-D CP mesh; ``cp_groups`` every CP group's
+    global ranks (hybrid only: it makes sub-groups of each)."""
     target = plan.target
+    extra = {}
+    if plan.mode == "hybrid":
+        ulysses_group, ring_group = _hybrid_groups(cp_groups, plan.ulysses_size)
+        rank = cp_mesh.get_local_rank()
+        extra = {"ulysses_group": ulysses_group, "ulysses_size": plan.ulysses_size, "ring_group": ring_group,
+                 "ring_size": plan.size // plan.ulysses_size, "ring_rank": rank // plan.ulysses_size}
     state = CPState(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(),
-                    attention_layers=plan.attention_layers, mode=plan.mode, load_balance=plan.load_balance)
+                    attention_layers=plan.attention_layers, mode=plan.mode, load_balance=plan.load_balance, **extra)
     where = _install_hf(model, state, target.hf_implementation) if target.hf_implementation else (
         _install_function(target, state))
     install_input_splitter(model, state)
     install_loss_sum(model, state.group, state.size)
     model.context_parallel_state = state
-    how = "a ring" if plan.mode == "ring" else "Ulysses"
+    how = {"ring": "a ring", "ulysses": "Ulysses",
+           "hybrid": f"Ulysses over {plan.ulysses_size} inside a ring of {plan.size // max(plan.ulysses_size, 1)}"
+           }[plan.mode]
     _log.info(f"context_parallel over {state.size} ranks: {how} around {where}")
     return state
 
@@ -71,10 +101,18 @@ class ContextParallelTransform(Transform):
         # Every repeated block (decoder layer) has one attention the wrapper must run in; a
         # model without such blocks at least one.
         cp_plan = config.cp_plan
-        return CPPlan(parallel_state.cp_size, resolve_cp_target(model, cp_plan), len(repeated_blocks(model)) or 1,
+        size = parallel_state.cp_size
+        if cp_plan is not None and cp_plan.mode == "hybrid" and (size % cp_plan.ulysses_size
+                                                                 or cp_plan.ulysses_size >= size):
+            raise ConfigError("cp_plan.ulysses_size", cp_plan.ulysses_size,
+                              f"use a divisor of context_parallel_size={size} below it (2 .. {size // 2})",
+                              reason="hybrid runs Ulysses over ulysses_size ranks inside a ring of the rest")
+        return CPPlan(size, resolve_cp_target(model, cp_plan), len(repeated_blocks(model)) or 1,
                       mode=cp_plan.mode if cp_plan else "ulysses",
-                      load_balance=cp_plan.load_balance if cp_plan else True)
+                      load_balance=cp_plan.load_balance if cp_plan else True,
+                      ulysses_size=cp_plan.ulysses_size or 0 if cp_plan else 0)
 
     def apply(self, model: nn.Module, plan: CPPlan, parallel_state: ParallelState) -> nn.Module:
-        apply_cp_plan(model, plan, parallel_state.mesh("cp"))
+        groups = parallel_state.ranks_along("cp") if plan.mode == "hybrid" else None
+        apply_cp_plan(model, plan, parallel_state.mesh("cp"), groups)
         return model

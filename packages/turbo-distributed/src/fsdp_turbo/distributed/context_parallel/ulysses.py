@@ -66,14 +66,15 @@ def full_causal_mask(seq_len: int, padding: torch.Tensor | None, dtype: torch.dt
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def ulysses_hf_attention(state: CPState, inner: str) -> Callable[..., Any]:
+def ulysses_hf_attention(state: CPState, inner: str, core: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """An HF attention function (``AttentionInterface`` signature) that runs ``inner``
-    (an implementation name such as ``"sdpa"``) on the whole sequence."""
+    (an implementation name such as ``"sdpa"``) on the whole sequence; or, hybrid, on
+    the ring member's part of it, where ``core`` (the ring) covers the rest."""
     def attention(module, query, key, value, attention_mask, **kwargs):
         if state.current is None:
             raise RuntimeError("context-parallel attention ran outside a context-parallel forward")
         state.current.attention_calls += 1
-        cp, group = state.size, state.group
+        cp, group = state.ulysses_size, state.ulysses_group
         kv_heads = replicated_kv_heads(key.shape[1], cp)
         qkv = torch.cat([query, replicate_kv(key, kv_heads), replicate_kv(value, kv_heads)], dim=1)
         # One all-to-all for Q, K and V: split [q heads | k heads | v heads] per rank group.
@@ -83,6 +84,9 @@ def ulysses_hf_attention(state: CPState, inner: str) -> Callable[..., Any]:
         gathered = sequence_to_heads(per_rank.flatten(1, 2), group, cp)
         q, k, v = gathered.split(parts, dim=1)
         context = state.current
+        if core is not None:
+            out, _ = core(module, q, k, v, None, **kwargs)
+            return heads_to_sequence(out, group, cp), None
         function = attention_function(inner, module)
         mask = full_causal_mask(context.seq_len, context.padding_mask, q.dtype, q.device, additive=inner == "eager",
                                 documents=context.documents)
