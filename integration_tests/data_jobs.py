@@ -29,10 +29,11 @@ LAYOUTS = {
                                  "rowwise_parallel": ["*.o_proj", "*.down_proj"],
                                  "sequence_parallel": ["*layernorm", "model.norm"], "loss_parallel": True}},
     "cp2_fsdp2": {"fully_shard_parallel_size": 2, "context_parallel_size": 2},
+    "ring_cp4": {"context_parallel_size": 4, "cp_plan": {"mode": "ring"}},
     "hsdp2x2_chunk_loss": {"data_parallel_size": 2, "fully_shard_parallel_size": 2, "chunk_loss": True,
                            "chunk_loss_plan": {"chunk_size": 48}},
 }
-DP = {"fsdp2_tp2_sp": 2, "cp2_fsdp2": 2, "hsdp2x2_chunk_loss": 4}
+DP = {"fsdp2_tp2_sp": 2, "cp2_fsdp2": 2, "ring_cp4": 1, "hsdp2x2_chunk_loss": 4}
 
 
 def data_section(**overrides):

@@ -35,6 +35,10 @@ LAYOUTS = {
     # 8 ranks: Ulysses over 2 ranks inside each TP pair's heads (4 heads = tp x cp).
     "fsdp2 x cp2 x tp2": ("llama", 8, {"fully_shard_parallel_size": 2, "context_parallel_size": 2,
                                        "tensor_parallel_size": 2, "tp_plan": TP_PLAN}),
+    # 8 ranks: a ring over 2 CP ranks (zig-zag chunks), every head kept, inside each TP pair's heads.
+    "fsdp2 x ring cp2 x tp2": ("llama", 8, {"fully_shard_parallel_size": 2, "context_parallel_size": 2,
+                                            "cp_plan": {"mode": "ring"}, "tensor_parallel_size": 2,
+                                            "tp_plan": TP_PLAN}),
     # 4 ranks: MoE layers route each CP chunk's tokens to their experts over EP.
     "fsdp2 x cp2 x ep2": ("qwen3_moe", 4, {"fully_shard_parallel_size": 2, "context_parallel_size": 2,
                                            "expert_parallel_size": 2, "ep_plan": {"dispatcher": "fused"}}),
