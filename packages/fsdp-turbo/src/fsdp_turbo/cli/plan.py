@@ -80,6 +80,10 @@ def make_plan(job: JobConfig, world_size: int | None = None) -> tuple[list[str],
         for row in plan.describe():
             lines.append(f"  {row.label}: {', '.join(compress_names(list(row.names))) if row.names else '(none)'}")
     on_host = "" if model_memory.optimizer_on_device else " (on the host: swap_optimizer)"
+    tokens = job.run.micro_batch * job.data.seq_len
+    # a feature that splits the sequence (context parallel) says so in its estimate
+    split = "" if model_memory.tokens == tokens else (
+        f"; {model_memory.tokens // job.run.micro_batch} tokens a sequence on each rank")
     lines += [
         "memory per rank (estimate):",
         f"  parameters        {memory.parameters / MIB:10.2f} MiB",
@@ -87,7 +91,7 @@ def make_plan(job: JobConfig, world_size: int | None = None) -> tuple[list[str],
         f"  optimizer states  {memory.optimizer / MIB:10.2f} MiB{on_host}",
         f"  model state       {memory.model_state / MIB:10.2f} MiB",
         f"  activations       {memory.activations / MIB:10.2f} MiB per micro-batch "
-        f"({job.run.micro_batch} x {job.data.seq_len} tokens)",
+        f"({job.run.micro_batch} x {job.data.seq_len} tokens{split})",
     ]
     return lines, memory
 
