@@ -97,3 +97,22 @@ def test_a_block_a_row_cannot_see_contributes_nothing():
     full_out, full_lse = block_attention(q, k, v, 0.5, None)
     merged, merged_lse = merge(out, lse, full_out, full_lse)
     assert merged.equal(full_out) and merged_lse.equal(full_lse)
+
+
+def test_the_cpu_flash_kernels_equal_the_portable_ones():
+    """Including a block where some query rows see nothing (another document's keys)."""
+    from fsdp_turbo.distributed.context_parallel.ring_kernels import cpu_flash_backward, cpu_flash_forward
+
+    q, k, v, grad_out = _inputs(seq=8)
+    documents = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [0] * 8])
+    masks = [None, visible(torch.arange(8), torch.arange(8)), visible(torch.arange(4, 12), torch.arange(8)),
+             visible(torch.arange(8), torch.arange(8), documents, torch.zeros(2, 8, dtype=torch.long))]
+    for mask in masks:
+        out, lse = block_attention(q, k, v, 0.3, mask)
+        flash_out, flash_lse = cpu_flash_forward(q, k, v, 0.3, mask)
+        torch.testing.assert_close(flash_out, out, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(flash_lse, lse, rtol=1e-5, atol=1e-6)  # -inf where a row sees nothing
+        final_out, final_lse = block_attention(q, k, v, 0.3, None)  # what the ring passes back: finite
+        for got, want in zip(cpu_flash_backward(q, k, v, 0.3, mask, final_out, final_lse, grad_out),
+                             block_grads(q, k, v, 0.3, mask, final_out, final_lse, grad_out), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.distributed.context_parallel.ring_math import block_attention, block_grads, merge, visible
+from fsdp_turbo.core.ops import call_op
+from fsdp_turbo.distributed.context_parallel.ring_kernels import BACKWARD, FORWARD
+from fsdp_turbo.distributed.context_parallel.ring_math import merge, visible
 
 
 def _exchange(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[list[torch.Tensor], list]:
@@ -44,15 +46,27 @@ def _exchange(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[li
     return received, dist.batch_isend_irecv(ops)
 
 
+def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    """GQA: each K/V head serves ``groups`` query heads. Chunks travel unexpanded."""
+    return kv.repeat_interleave(groups, dim=1) if groups > 1 else kv
+
+
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of ``_expand``: the query heads' shares summed per K/V head."""
+    return grad.unflatten(1, (-1, groups)).sum(2) if groups > 1 else grad
+
+
 class RingAttention(torch.autograd.Function):
-    """``out = softmax(q kᵀ · scale + mask) v`` over the whole sequence; q, k, v are this
-    rank's chunks ``[B, H, S/cp, D]``; ``masks[source]`` is the mask of this rank's queries
-    against rank ``source``'s keys (None: all visible; a tensor with no True: skipped)."""
+    """``out = softmax(q kᵀ · scale + mask) v`` over the whole sequence; q is this rank's
+    chunk ``[B, H, S/cp, D]``, k and v ``[B, H_kv, S/cp, D]`` (H a multiple of H_kv: the
+    ring carries K/V heads, not their GQA copies); ``masks[source]`` is the mask of this
+    rank's queries against rank ``source``'s keys (None: all visible; no True: skipped)."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 masks: list[torch.Tensor | None], group: dist.ProcessGroup) -> torch.Tensor:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
+        groups = q.shape[1] // k.shape[1]
         out, lse = None, None
         current = [k, v]
         for step in range(size):
@@ -60,7 +74,8 @@ class RingAttention(torch.autograd.Function):
             source = (rank - step) % size
             mask = masks[source]
             if mask is None or bool(mask.any()):
-                block_out, block_lse = block_attention(q, current[0], current[1], scale, mask)
+                block_out, block_lse = call_op(FORWARD, q.device.type, q, _expand(current[0], groups),
+                                               _expand(current[1], groups), scale, mask)
                 out, lse = (block_out, block_lse) if out is None else merge(out, lse, block_out, block_lse)
             if pending is not None:
                 received, requests = pending
@@ -76,16 +91,18 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, masks, scale = ctx.group, ctx.masks, ctx.scale
         rank, size = dist.get_rank(group), dist.get_world_size(group)
+        groups = q.shape[1] // k.shape[1]
         grad_q = torch.zeros_like(q)
         travelling = [k, v, torch.zeros_like(k), torch.zeros_like(v)]
         for step in range(size):
             source = (rank - step) % size
             mask = masks[source]
             if mask is None or bool(mask.any()):
-                dq, dk, dv = block_grads(q, travelling[0], travelling[1], scale, mask, out, lse, grad_out)
+                dq, dk, dv = call_op(BACKWARD, q.device.type, q, _expand(travelling[0], groups),
+                                     _expand(travelling[1], groups), scale, mask, out, lse, grad_out)
                 grad_q += dq
-                travelling[2] = travelling[2] + dk
-                travelling[3] = travelling[3] + dv
+                travelling[2] = travelling[2] + _fold(dk, groups)
+                travelling[3] = travelling[3] + _fold(dv, groups)
             # every hop, the last one included: it takes each chunk's gradients home
             received, requests = _exchange(travelling if step + 1 < size else travelling[2:], group)
             for request in requests:
@@ -111,7 +128,7 @@ def ring_masks(context, rank: int, device: torch.device) -> list[torch.Tensor | 
         allowed = visible(mine, theirs, *docs)
         if context.padding_mask is not None:
             allowed = allowed & context.padding_mask.to(device)[:, theirs][:, None, None, :]
-        masks.append(allowed)
+        masks.append(None if bool(allowed.all()) else allowed)  # None: the kernel needs no mask
     return masks
 
 
@@ -132,8 +149,6 @@ def ring_core(state) -> Any:
                               reason=f"ring attention does not implement {unsupported}")
         if context.ring_masks is None:
             context.ring_masks = ring_masks(context, state.ring_rank, query.device)
-        groups = query.shape[1] // key.shape[1]
-        key, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         # fp32 blocks: the merge and the recomputed backward are exact to rounding
         out = ring_attention(query.float(), key.float(), value.float(), scale, context.ring_masks, state.ring_group)
