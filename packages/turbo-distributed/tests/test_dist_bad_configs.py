@@ -31,8 +31,11 @@ CASES = {
     "cp_attention_function_not_a_path": ({"context_parallel_size": 2, "cp_plan": {"attention_function": "sdpa"}},
                                          "cp_plan.attention_function"),
     "cp_unknown_mode": ({"context_parallel_size": 2, "cp_plan": {"mode": "spiral"}}, "cp_plan.mode"),
-    "cp_hybrid_not_built": ({"context_parallel_size": 4, "cp_plan": {"mode": "hybrid", "ulysses_size": 2}},
-                            "cp_plan.mode"),
+    "cp_hybrid_ulysses_size_not_a_divisor": ({"context_parallel_size": 4,
+                                              "cp_plan": {"mode": "hybrid", "ulysses_size": 3}},
+                                             "cp_plan.ulysses_size"),
+    "cp_hybrid_without_ulysses_size": ({"context_parallel_size": 4, "cp_plan": {"mode": "hybrid"}},
+                                       "cp_plan.ulysses_size"),
     "cp_ring_with_attention_function": ({"context_parallel_size": 2, "cp_plan": {
         "mode": "ring", "attention_function": "cp_jobs.core_attention"}}, "cp_plan.attention_function"),
     "ep_does_not_divide_world": ({"expert_parallel_size": 3, "ep_plan": {}}, "expert_parallel_size"),

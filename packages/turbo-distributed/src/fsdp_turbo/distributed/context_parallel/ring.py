@@ -40,8 +40,9 @@ def _exchange(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[li
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     to_rank = dist.get_global_rank(group, (rank + 1) % size)
     from_rank = dist.get_global_rank(group, (rank - 1) % size)
+    tensors = [t.contiguous() for t in tensors]  # P2P buffers must be contiguous, both ends
     received = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), to_rank, group) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, to_rank, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, buffer, from_rank, group) for buffer in received]
     return received, dist.batch_isend_irecv(ops)
 

@@ -33,6 +33,7 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
 @register_op(FORWARD, "cpu")
 def cpu_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = (t.contiguous() for t in (q, k, v))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale)
     if mask is not None:
@@ -46,6 +47,8 @@ def cpu_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 def cpu_flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
                        out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # the kernel takes contiguous tensors only (grad_out comes from a transpose)
+    grad_out, q, k, v, out, lse = (t.contiguous() for t in (grad_out, q, k, v, out, lse))
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, q, k, v, out, lse, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale)
     return grads[0], grads[1], grads[2]

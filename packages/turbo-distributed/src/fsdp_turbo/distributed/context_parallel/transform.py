@@ -85,9 +85,21 @@ def apply_cp_plan(model: nn.Module, plan: CPPlan, cp_mesh, cp_groups: list[list[
 
 
 def apply_context_parallel(model: nn.Module, plan: CPPlanConfig | None, cp_mesh) -> CPState:
-    """Ulysses context parallel without the facade: resolve ``plan`` on ``model``, then install."""
+    """Context parallel without the facade: resolve ``plan`` on ``model``, then install.
+    Hybrid needs ``cp_mesh`` to span the world (its sub-groups are made from it)."""
     layers = len(repeated_blocks(model)) or 1
-    return apply_cp_plan(model, CPPlan(cp_mesh.size(), resolve_cp_target(model, plan), layers), cp_mesh)
+    mode = plan.mode if plan is not None else "ulysses"
+    groups = None
+    if mode == "hybrid":
+        ranks = cp_mesh.mesh.flatten().tolist()
+        if len(ranks) != dist.get_world_size():
+            raise ConfigError("cp_plan.mode", "hybrid", "use FSDPTurbo for hybrid CP inside a larger mesh",
+                              reason="apply_context_parallel makes hybrid sub-groups only of a world-wide CP mesh")
+        groups = [ranks]
+    resolved = CPPlan(cp_mesh.size(), resolve_cp_target(model, plan), layers, mode=mode,
+                      load_balance=plan.load_balance if plan is not None else True,
+                      ulysses_size=(plan.ulysses_size or 0) if plan is not None else 0)
+    return apply_cp_plan(model, resolved, cp_mesh, groups)
 
 
 class ContextParallelTransform(Transform):
@@ -110,7 +122,7 @@ class ContextParallelTransform(Transform):
         return CPPlan(size, resolve_cp_target(model, cp_plan), len(repeated_blocks(model)) or 1,
                       mode=cp_plan.mode if cp_plan else "ulysses",
                       load_balance=cp_plan.load_balance if cp_plan else True,
-                      ulysses_size=cp_plan.ulysses_size or 0 if cp_plan else 0)
+                      ulysses_size=(cp_plan.ulysses_size or 0) if cp_plan else 0)
 
     def apply(self, model: nn.Module, plan: CPPlan, parallel_state: ParallelState) -> nn.Module:
         groups = parallel_state.ranks_along("cp") if plan.mode == "hybrid" else None

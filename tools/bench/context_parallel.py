@@ -1,0 +1,169 @@
+"""Ring and hybrid context parallel on one Llama decoder layer: sequence 16384 (default),
+hidden 256, 4 heads, 2 K/V heads (GQA), float32, 4 gloo ranks, against the same model
+without CP in one process and Ulysses at the same CP, all in one run.
+
+Printed:
+- peak activation memory per rank (MemTracker; parameters and gradients excluded) during
+  forward + backward, ring CP=4 and hybrid 2 x 2, divided by the no-CP peak (goal <= 0.30);
+- bytes a rank sends per layer in forward (P2P sends and all-to-alls), divided by the
+  theory: ring ``(cp - 1) x 2 x S/cp x H_kv x D x 4``; hybrid its Ulysses all-to-alls (Q,
+  K, V and the output, ``(u - 1)/u`` of each) plus a ring of ``r = cp/u`` over ``u``-fold
+  longer chunks of ``H_kv/u`` heads (goal 1.00);
+- step time (forward + backward) of the ring divided by Ulysses at CP=4 (reported);
+- the slowest rank's attention compute (the ring's block kernels, timed on each rank),
+  load-balanced (zig-zag) divided by contiguous chunks (goal <= 0.6).
+
+    python tools/bench/context_parallel.py [--seq 16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from report import result as report
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+
+MODEL = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 65536}
+CP = 4
+MODES = {"ring": {"mode": "ring"}, "ring_contiguous": {"mode": "ring", "load_balance": False},
+         "hybrid": {"mode": "hybrid", "ulysses_size": 2}, "ulysses": None}
+
+
+class SentBytes(TorchDispatchMode):
+    """Bytes this rank sends: P2P sends, and the part of each all-to-all that leaves it."""
+
+    def __init__(self, sizes: dict[str, int]) -> None:
+        super().__init__()
+        self.sizes, self.sent = sizes, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if name == "c10d::send":
+            self.sent += sum(t.numel() * t.element_size() for t in args[0])
+        elif name == "_c10d_functional::all_to_all_single":
+            tensor, group_size = args[0], self.sizes["a2a"]
+            self.sent += tensor.numel() * tensor.element_size() * (group_size - 1) // group_size
+        return func(*args, **(kwargs or {}))
+
+
+def _model():
+    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+
+    return tiny_hf_causal_lm("llama", **MODEL)
+
+
+def _batch(seq: int) -> torch.Tensor:
+    return torch.randint(0, MODEL["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(0))
+
+
+def peak_activation_bytes(model, **inputs) -> int:
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        model(**inputs).loss.backward()
+        peak = {str(k): v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
+    model.zero_grad(set_to_none=True)
+    return peak["Total"] - peak.get("_MemRefType.PARAM", 0) - peak.get("_MemRefType.GRAD", 0)
+
+
+def reference_job(seq: int) -> int:
+    ids = _batch(seq)
+    return peak_activation_bytes(_model(), input_ids=ids, labels=ids, use_cache=False)
+
+
+def _timed_kernels() -> list[float]:
+    """Time every ring block kernel on this rank (the compute, not the waits)."""
+    from fsdp_turbo.core.ops import get_op, register_op
+    from fsdp_turbo.distributed.context_parallel.ring_kernels import BACKWARD, FORWARD
+
+    spent = [0.0]
+    for name in (FORWARD, BACKWARD):
+        inner = get_op(name, "cpu")
+
+        def timed(*args, inner=inner, **kwargs):
+            started = time.perf_counter()
+            value = inner(*args, **kwargs)
+            spent[0] += time.perf_counter() - started
+            return value
+
+        register_op(name, "cpu", override=True)(timed)
+    return spent
+
+
+def cp_job(seq: int, mode: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_turbo.distributed.context_parallel import apply_context_parallel
+    from fsdp_turbo.fsdp_turbo_config import CPPlanConfig
+
+    spent = _timed_kernels()
+    plan = MODES[mode]
+    model = _model()
+    mesh = init_device_mesh("cpu", (CP,), mesh_dim_names=("cp",))
+    apply_context_parallel(model, CPPlanConfig.from_dict(plan) if plan else None, mesh)
+    ids = _batch(seq)
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    a2a = {"ring": 1, "ring_contiguous": 1, "hybrid": 2, "ulysses": CP}[mode]
+    counter = SentBytes({"a2a": a2a})
+    with counter, torch.no_grad():
+        model(**inputs)
+    spent[0] = 0.0
+    started = time.perf_counter()
+    model(**inputs).loss.backward()
+    step = time.perf_counter() - started
+    kernels = spent[0]
+    model.zero_grad(set_to_none=True)
+    peak = peak_activation_bytes(model, **inputs)
+    return {"sent": counter.sent, "peak": peak, "step": step, "kernels": kernels}
+
+
+def theory_bytes(mode: str, seq: int) -> float:
+    heads, kv, dim, elem = MODEL["num_attention_heads"], MODEL["num_key_value_heads"], MODEL["head_dim"], 4
+    if mode.startswith("ring"):
+        return (CP - 1) * 2 * (seq // CP) * kv * dim * elem
+    u, r = 2, CP // 2
+    kv_u = max(kv, u)  # K/V heads replicated up to the Ulysses size
+    chunk = seq // CP
+    a2a = (heads + 2 * kv_u + heads) * chunk * dim * elem * (u - 1) / u  # Q, K, V in; the output back
+    ring = (r - 1) * 2 * (seq // r) * (kv_u // u) * dim * elem
+    return a2a + ring
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=16384)
+    args = parser.parse_args()
+    from fsdp_turbo.core.testing import run_distributed, run_reference
+
+    baseline = run_reference(reference_job, args.seq, timeout=1800)
+    runs = {mode: run_distributed(cp_job, CP, args.seq, mode, timeout=1800) for mode in MODES}
+    print(f"Llama layer: hidden {MODEL['hidden_size']}, {MODEL['num_attention_heads']} heads, "
+          f"{MODEL['num_key_value_heads']} K/V heads, sequence {args.seq}, CP={CP}, float32; "
+          f"no-CP peak activations {baseline / 2**20:.0f} MiB")
+    for mode, ranks in runs.items():
+        peak = max(r["peak"] for r in ranks)
+        sent = max(r["sent"] for r in ranks)
+        print(f"{mode:16s} peak {peak / 2**20:7.0f} MiB ({peak / baseline:.3f} of no CP), sent {sent / 2**20:8.2f} MiB"
+              f" a layer, step {max(r['step'] for r in ranks):.2f} s, slowest rank's kernels "
+              f"{max(r['kernels'] for r in ranks):.2f} s")
+    for mode in ("ring", "hybrid"):
+        peak = max(r["peak"] for r in runs[mode])
+        report(f"{mode} peak activation memory per rank, CP={CP} vs no CP", peak / baseline, "<= 0.30",
+               f"{peak / 2**20:.0f} vs {baseline / 2**20:.0f} MiB, sequence {args.seq}")
+        sent = max(r["sent"] for r in runs[mode])
+        report(f"{mode} bytes sent per layer (forward) vs theory", sent / theory_bytes(mode, args.seq), "1.00",
+               f"{sent / 2**20:.2f} MiB")
+    step = {mode: max(r["step"] for r in runs[mode]) for mode in ("ring", "ulysses")}
+    report(f"ring step time vs Ulysses, CP={CP}", step["ring"] / step["ulysses"], "reported",
+           f"{step['ring']:.2f} vs {step['ulysses']:.2f} s")
+    slowest = {mode: max(r["kernels"] for r in runs[mode]) for mode in ("ring", "ring_contiguous")}
+    report("slowest rank's ring attention compute, zig-zag vs contiguous", slowest["ring"] / slowest["ring_contiguous"],
+           "<= 0.6", f"{slowest['ring']:.2f} vs {slowest['ring_contiguous']:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
