@@ -23,6 +23,8 @@ and the call site.
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,53 +59,77 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.unflatten(1, (-1, groups)).sum(2) if groups > 1 else grad
 
 
+@dataclass(frozen=True)
+class Tile:
+    """A part of one block: this rank's queries ``q`` against the source's keys ``k`` (slices
+    of the chunks), with its mask (None: every pair visible)."""
+
+    q: slice
+    k: slice
+    mask: torch.Tensor | None
+
+
+ALL = slice(None)
+
+
+def _tiles(entry: list[Tile] | torch.Tensor | None) -> list[Tile]:
+    """A source's tiles; a bare mask (or None) is one tile over the whole block."""
+    if isinstance(entry, list):
+        return entry
+    if entry is not None and not bool(entry.any()):
+        return []
+    return [Tile(ALL, ALL, entry)]
+
+
 class RingAttention(torch.autograd.Function):
     """``out = softmax(q kᵀ · scale + mask) v`` over the whole sequence; q is this rank's
     chunk ``[B, H, S/cp, D]``, k and v ``[B, H_kv, S/cp, D]`` (H a multiple of H_kv: the
-    ring carries K/V heads, not their GQA copies); ``masks[source]`` is the mask of this
-    rank's queries against rank ``source``'s keys (None: all visible; no True: skipped)."""
+    ring carries K/V heads, not their GQA copies). ``blocks[source]`` says how this rank's
+    queries see rank ``source``'s keys: a list of ``Tile``s (what is not in a tile is
+    masked), or one mask (None: all visible)."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                masks: list[torch.Tensor | None], group: dist.ProcessGroup) -> torch.Tensor:
+                blocks: list, group: dist.ProcessGroup) -> torch.Tensor:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         groups = q.shape[1] // k.shape[1]
-        out, lse = None, None
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=q.dtype, device=q.device)
         current = [k, v]
         for step in range(size):
             pending = _exchange(current, group) if step + 1 < size else None
-            source = (rank - step) % size
-            mask = masks[source]
-            if mask is None or bool(mask.any()):
-                block_out, block_lse = call_op(FORWARD, q.device.type, q, _expand(current[0], groups),
-                                               _expand(current[1], groups), scale, mask)
-                out, lse = (block_out, block_lse) if out is None else merge(out, lse, block_out, block_lse)
+            keys, values = _expand(current[0], groups), _expand(current[1], groups)
+            for tile in _tiles(blocks[(rank - step) % size]):
+                block_out, block_lse = call_op(FORWARD, q.device.type, q[:, :, tile.q], keys[:, :, tile.k],
+                                               values[:, :, tile.k], scale, tile.mask)
+                out[:, :, tile.q], lse[:, :, tile.q] = merge(out[:, :, tile.q], lse[:, :, tile.q], block_out,
+                                                             block_lse)
             if pending is not None:
                 received, requests = pending
                 for request in requests:
                     request.wait()
                 current = received
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.masks, ctx.group = scale, masks, group
+        ctx.scale, ctx.blocks, ctx.group = scale, blocks, group
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        group, masks, scale = ctx.group, ctx.masks, ctx.scale
+        group, blocks, scale = ctx.group, ctx.blocks, ctx.scale
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         groups = q.shape[1] // k.shape[1]
         grad_q = torch.zeros_like(q)
         travelling = [k, v, torch.zeros_like(k), torch.zeros_like(v)]
         for step in range(size):
-            source = (rank - step) % size
-            mask = masks[source]
-            if mask is None or bool(mask.any()):
-                dq, dk, dv = call_op(BACKWARD, q.device.type, q, _expand(travelling[0], groups),
-                                     _expand(travelling[1], groups), scale, mask, out, lse, grad_out)
-                grad_q += dq
-                travelling[2] = travelling[2] + _fold(dk, groups)
-                travelling[3] = travelling[3] + _fold(dv, groups)
+            keys, values = _expand(travelling[0], groups), _expand(travelling[1], groups)
+            for tile in _tiles(blocks[(rank - step) % size]):
+                dq, dk, dv = call_op(BACKWARD, q.device.type, q[:, :, tile.q], keys[:, :, tile.k],
+                                     values[:, :, tile.k], scale, tile.mask, out[:, :, tile.q], lse[:, :, tile.q],
+                                     grad_out[:, :, tile.q])
+                grad_q[:, :, tile.q] += dq
+                travelling[2][:, :, tile.k] += _fold(dk, groups)
+                travelling[3][:, :, tile.k] += _fold(dv, groups)
             # every hop, the last one included: it takes each chunk's gradients home
             received, requests = _exchange(travelling if step + 1 < size else travelling[2:], group)
             for request in requests:
@@ -113,24 +139,38 @@ class RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                   masks: list[torch.Tensor | None], group: dist.ProcessGroup) -> torch.Tensor:
-    return RingAttention.apply(q, k, v, scale, masks, group)
+                   blocks: list, group: dist.ProcessGroup) -> torch.Tensor:
+    return RingAttention.apply(q, k, v, scale, blocks, group)
 
 
-def ring_masks(context, rank: int, device: torch.device) -> list[torch.Tensor | None]:
-    """This rank's queries against every rank's keys: causal by global position, within
-    each packed document, and never onto padding."""
+def _runs(positions: torch.Tensor) -> list[slice]:
+    """The runs of consecutive positions (zig-zag chunks: two), as slices of the chunk."""
+    breaks = (torch.diff(positions) != 1).nonzero().flatten().add(1).tolist()
+    edges = [0, *breaks, positions.numel()]
+    return [slice(a, b) for a, b in itertools.pairwise(edges)]
+
+
+def ring_masks(context, rank: int, device: torch.device) -> list[list[Tile]]:
+    """This rank's queries against every rank's keys, as tiles between runs of consecutive
+    positions: causal by global position, within each packed document, never onto padding.
+    A tile nothing sees is left out (zig-zag's saving), one everything sees has no mask."""
     positions = [p.to(device) for p in context.ring_positions]
     mine = positions[rank]
     documents = None if context.documents is None else context.documents.to(device)
-    masks = []
+    blocks = []
     for theirs in positions:
         docs = (documents[:, mine], documents[:, theirs]) if documents is not None else (None, None)
         allowed = visible(mine, theirs, *docs)
         if context.padding_mask is not None:
             allowed = allowed & context.padding_mask.to(device)[:, theirs][:, None, None, :]
-        masks.append(None if bool(allowed.all()) else allowed)  # None: the kernel needs no mask
-    return masks
+        tiles = []
+        for q_run in _runs(mine):
+            for k_run in _runs(theirs):
+                part = allowed[..., q_run, k_run]
+                if bool(part.any()):
+                    tiles.append(Tile(q_run, k_run, None if bool(part.all()) else part.contiguous()))
+        blocks.append(tiles)
+    return blocks
 
 
 def ring_core(state) -> Any:
