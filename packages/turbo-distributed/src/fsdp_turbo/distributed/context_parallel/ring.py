@@ -67,6 +67,7 @@ class Tile:
     q: slice
     k: slice
     mask: torch.Tensor | None
+    causal: bool = False  # a diagonal tile: plain causal, no mask needed
 
 
 ALL = slice(None)
@@ -101,7 +102,7 @@ class RingAttention(torch.autograd.Function):
             keys, values = _expand(current[0], groups), _expand(current[1], groups)
             for tile in _tiles(blocks[(rank - step) % size]):
                 block_out, block_lse = call_op(FORWARD, q.device.type, q[:, :, tile.q], keys[:, :, tile.k],
-                                               values[:, :, tile.k], scale, tile.mask)
+                                               values[:, :, tile.k], scale, tile.mask, tile.causal)
                 out[:, :, tile.q], lse[:, :, tile.q] = merge(out[:, :, tile.q], lse[:, :, tile.q], block_out,
                                                              block_lse)
             if pending is not None:
@@ -126,7 +127,7 @@ class RingAttention(torch.autograd.Function):
             for tile in _tiles(blocks[(rank - step) % size]):
                 dq, dk, dv = call_op(BACKWARD, q.device.type, q[:, :, tile.q], keys[:, :, tile.k],
                                      values[:, :, tile.k], scale, tile.mask, out[:, :, tile.q], lse[:, :, tile.q],
-                                     grad_out[:, :, tile.q])
+                                     grad_out[:, :, tile.q], tile.causal)
                 grad_q[:, :, tile.q] += dq
                 travelling[2][:, :, tile.k] += _fold(dk, groups)
                 travelling[3][:, :, tile.k] += _fold(dv, groups)
@@ -150,6 +151,11 @@ def _runs(positions: torch.Tensor) -> list[slice]:
     return [slice(a, b) for a, b in itertools.pairwise(edges)]
 
 
+def _lower(part: torch.Tensor) -> torch.Tensor:
+    square = torch.ones(part.shape[-2], part.shape[-1], dtype=torch.bool, device=part.device).tril()
+    return square.expand_as(part)
+
+
 def ring_masks(context, rank: int, device: torch.device) -> list[list[Tile]]:
     """This rank's queries against every rank's keys, as tiles between runs of consecutive
     positions: causal by global position, within each packed document, never onto padding.
@@ -167,8 +173,14 @@ def ring_masks(context, rank: int, device: torch.device) -> list[list[Tile]]:
         for q_run in _runs(mine):
             for k_run in _runs(theirs):
                 part = allowed[..., q_run, k_run]
-                if bool(part.any()):
-                    tiles.append(Tile(q_run, k_run, None if bool(part.all()) else part.contiguous()))
+                if not bool(part.any()):
+                    continue
+                if bool(part.all()):
+                    tiles.append(Tile(q_run, k_run, None))
+                elif torch.equal(mine[q_run], theirs[k_run]) and torch.equal(part, _lower(part)):
+                    tiles.append(Tile(q_run, k_run, None, causal=True))
+                else:
+                    tiles.append(Tile(q_run, k_run, part.contiguous()))
         blocks.append(tiles)
     return blocks
 

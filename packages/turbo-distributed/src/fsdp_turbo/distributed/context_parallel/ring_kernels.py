@@ -1,6 +1,7 @@
 """The ring's two block kernels, through the op registry: ``cp.ring_block_forward`` gives
 a block's (output, lse), ``cp.ring_block_backward`` its (dQ, dK, dV) from the final output
-and lse.
+and lse. ``causal``: the tile is a diagonal one (the same positions on both sides), so the
+kernel can skip its upper half instead of reading a mask.
 
 The portable kernels are ``ring_math``'s, which build the block's score matrix. On CPU,
 torch's flash-attention op for CPU (``_scaled_dot_product_flash_attention_for_cpu`` and
@@ -20,8 +21,21 @@ from fsdp_turbo.distributed.context_parallel.ring_math import block_attention, b
 FORWARD = "cp.ring_block_forward"
 BACKWARD = "cp.ring_block_backward"
 
-register_op(FORWARD)(block_attention)
-register_op(BACKWARD)(block_grads)
+def _causal(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()[None, None]
+
+
+@register_op(FORWARD)
+def portable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+                     causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return block_attention(q, k, v, scale, _causal(q, k) if causal else mask)
+
+
+@register_op(BACKWARD)
+def portable_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+                      out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, causal: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return block_grads(q, k, v, scale, _causal(q, k) if causal else mask, out, lse, grad_out)
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -32,10 +46,10 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
 
 @register_op(FORWARD, "cpu")
 def cpu_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                      mask: torch.Tensor | None, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = (t.contiguous() for t in (q, k, v))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale)
+        q, k, v, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale)
     if mask is not None:
         blind = ~mask.any(-1)  # [B or 1, 1, Sq]: rows that see nothing here
         lse = lse.masked_fill(blind, float("-inf"))
@@ -45,10 +59,10 @@ def cpu_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 @register_op(BACKWARD, "cpu")
 def cpu_flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
-                       out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor
+                       out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, causal: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # the kernel takes contiguous tensors only (grad_out comes from a transpose)
     grad_out, q, k, v, out, lse = (t.contiguous() for t in (grad_out, q, k, v, out, lse))
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, lse, 0.0, False, attn_mask=_additive(mask, q.dtype), scale=scale)
+        grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale)
     return grads[0], grads[1], grads[2]
