@@ -39,6 +39,14 @@ LAYOUTS = {
     "fsdp2 x ring cp2 x tp2": ("llama", 8, {"fully_shard_parallel_size": 2, "context_parallel_size": 2,
                                             "cp_plan": {"mode": "ring"}, "tensor_parallel_size": 2,
                                             "tp_plan": TP_PLAN}),
+    # 4 ranks: a ring of 4 and hybrid Ulysses 2 x ring 2, each with recompute and chunked loss.
+    "ring cp4 + recompute + chunk loss": ("llama", 4, {"context_parallel_size": 4, "cp_plan": {"mode": "ring"},
+                                                        "recompute": True, "recompute_policy": "selective",
+                                                        "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12}}),
+    "hybrid 2x2 + recompute + chunk loss": ("llama", 4, {"context_parallel_size": 4,
+                                                          "cp_plan": {"mode": "hybrid", "ulysses_size": 2},
+                                                          "recompute": True, "chunk_loss": True,
+                                                          "chunk_loss_plan": {"chunk_size": 12}}),
     # 4 ranks: MoE layers route each CP chunk's tokens to their experts over EP.
     "fsdp2 x cp2 x ep2": ("qwen3_moe", 4, {"fully_shard_parallel_size": 2, "context_parallel_size": 2,
                                            "expert_parallel_size": 2, "ep_plan": {"dispatcher": "fused"}}),

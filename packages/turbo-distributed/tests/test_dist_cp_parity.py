@@ -149,13 +149,6 @@ def test_ring_cp2_x_ep2_moe():
         assert_parity(expected, record, **TOL)
 
 
-def test_ring_with_recompute_and_chunked_loss():
-    config = {"context_parallel_size": 4, "cp_plan": {"mode": "ring"}, "recompute": True,
-              "recompute_policy": "selective", "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12}}
-    for record, _ in run_distributed(cp_run, 4, "llama", BATCHES, config, timeout=300):
-        assert_parity(reference("llama"), record, **TOL)
-
-
 def test_ring_sends_only_key_value_chunks_around_the_ring():
     """One step at CP=4 ring: per layer, the forward passes K and V on 3 times and the
     backward K, V, dK, dV 3 times and dK, dV once more (home): 2*3 + 4*3 + 2 sends."""
@@ -177,10 +170,3 @@ def test_hybrid_ulysses2_x_ring2(load_balance):
     for record, implementation in run_distributed(cp_run, 4, "llama", BATCHES, config, timeout=300):
         assert_parity(reference("llama"), record, **TOL)
         assert implementation.startswith("fsdp_turbo_hybrid")
-
-
-def test_hybrid_with_chunked_loss_recompute_odd_lengths_and_ignored_labels():
-    config = {"context_parallel_size": 4, "cp_plan": {"mode": "hybrid", "ulysses_size": 2},
-              "recompute": True, "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12}}
-    for record, _ in run_distributed(cp_run, 4, "llama", ODD_BATCHES, config, None, "masked", timeout=300):
-        assert_parity(reference("llama", ODD_BATCHES, None, "masked"), record, **TOL)
