@@ -25,8 +25,8 @@ import time
 
 import torch
 from report import result as report
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
+from ulysses import peak_activation_bytes  # the same MemTracker measure as the Ulysses bench
 
 MODEL = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 65536}
@@ -60,16 +60,6 @@ def _model():
 
 def _batch(seq: int) -> torch.Tensor:
     return torch.randint(0, MODEL["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(0))
-
-
-def peak_activation_bytes(model, **inputs) -> int:
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with tracker:
-        model(**inputs).loss.backward()
-        peak = {str(k): v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
-    model.zero_grad(set_to_none=True)
-    return peak["Total"] - peak.get("_MemRefType.PARAM", 0) - peak.get("_MemRefType.GRAD", 0)
 
 
 def reference_job(seq: int) -> int:
