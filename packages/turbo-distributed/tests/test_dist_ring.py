@@ -48,3 +48,55 @@ def test_ring_attention_equals_full_attention(load_balance, packed):
         torch.testing.assert_close(out, expected.detach()[:, :, mine], rtol=1e-5, atol=1e-6)
         for got, leaf in zip(grads, leaves, strict=True):
             torch.testing.assert_close(got, leaf.grad[:, :, mine], rtol=1e-5, atol=1e-5)
+
+
+class _Logged:
+    """A P2P request whose ``wait`` is written to ``log``."""
+
+    def __init__(self, request, log, label):
+        self.request, self.log, self.label = request, log, label
+
+    def wait(self):
+        self.log.append(("wait", self.label))
+        return self.request.wait()
+
+
+def _rank_events():
+    """Forward and backward of one ring call, logging each transfer's start and wait and
+    each block computed, in order."""
+
+    from fsdp_turbo.distributed.context_parallel import ring
+
+    log, exchange, call_op = [], ring._exchange, ring.call_op
+    labels = iter(range(10**6))
+
+    def logged_exchange(tensors, group):
+        label = next(labels)
+        log.append(("start", label))
+        received, requests = exchange(tensors, group)
+        return received, [_Logged(r, log, label) for r in requests]
+
+    def logged_op(name, *args):
+        log.append(("block", name))
+        return call_op(name, *args)
+
+    ring._exchange, ring.call_op = logged_exchange, logged_op
+    try:
+        _rank(load_balance=True, packed=False)
+    finally:
+        ring._exchange, ring.call_op = exchange, call_op
+    return log
+
+
+def test_every_transfer_but_the_last_hides_behind_a_block():
+    """Zig-zag chunks give every rank work on every chunk, so each transfer (forward: K/V;
+    backward: K/V and the dK/dV sums) has a block computed between its start and its wait;
+    only the backward's last hop, the sums going home, has nothing left to hide behind."""
+    for log in run_distributed(_rank_events, CP, timeout=120):
+        starts = {label: i for i, (kind, label) in enumerate(log) if kind == "start"}
+        assert len(starts) == (CP - 1) + (CP - 1) + CP  # forward K/V, backward K/V, backward sums
+        exposed = []
+        for i, (kind, label) in enumerate(log):
+            if kind == "wait" and not any(k == "block" for k, _ in log[starts[label]:i]):
+                exposed.append(label)
+        assert set(exposed) == {max(starts)}, exposed

@@ -17,7 +17,7 @@ class ForwardContext:
     attention_calls: int = 0  # how many attention layers ran through the Ulysses wrapper
     # ring / hybrid: the global positions (in the padded sequence) of each ring member's tokens
     ring_positions: list[torch.Tensor] | None = None
-    ring_masks: list[torch.Tensor | None] | None = None  # built by the first attention layer, reused
+    ring_tiles: list | None = None  # per source rank, its Tiles: built by the first attention layer, reused
 
 
 @dataclass
@@ -46,7 +46,8 @@ class CPState:
         if self.mode == "ring" and self.ring_group is None:
             self.ring_group, self.ring_size, self.ring_rank, self.ulysses_size = self.group, self.size, self.rank, 1
 
+    proven: bool = False  # the first forward ran the wrapper in every attention layer
+
     @property
     def ulysses_rank(self) -> int:
         return self.rank % self.ulysses_size
-    proven: bool = False  # the first forward showed that it does

@@ -4,9 +4,11 @@ Forward: at step ``s`` a rank holds the K/V chunk of rank ``(rank - s) % cp``; i
 sending that chunk on to ``rank + 1`` (and receiving the next from ``rank - 1``), computes
 the block meanwhile, and merges it into its output by log-sum-exp (``ring_math``).
 
-Backward, the same ring again: each K/V chunk travels with its dK/dV accumulators; every
-rank adds the block's gradients to them and passes them on; after ``cp`` hops they are
-home, complete. dQ stays local. Only the final output and lse are kept from the forward.
+Backward, the same ring again: the K/V chunks travel as in the forward, and behind each
+one its dK/dV sums: every rank adds its block's gradients to the sums it received and
+passes them on; after ``cp`` hops they are home, complete. Both transfers are started a
+block ahead (the sums travel while the next block is computed), so only the last hop home
+is exposed. dQ stays local. Only the final output and lse are kept from the forward.
 
 Masks come from the global positions (and documents) of both chunks, which every rank
 knows from the full sequence the input splitter saw, so nothing but K/V and their
@@ -121,22 +123,38 @@ class RingAttention(torch.autograd.Function):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         groups = q.shape[1] // k.shape[1]
         grad_q = torch.zeros_like(q)
-        travelling = [k, v, torch.zeros_like(k), torch.zeros_like(v)]
+        current = [k, v]
+        incoming = None  # the dK/dV sums of the chunk held next step, on their way from rank - 1
         for step in range(size):
-            keys, values = _expand(travelling[0], groups), _expand(travelling[1], groups)
+            # The next K/V chunk travels while this block's gradients are computed, and the
+            # sums sent last step travel while this block is: neither transfer is waited on
+            # before the work that hides it is done.
+            pending = _exchange(current, group) if step + 1 < size else None
+            keys, values = _expand(current[0], groups), _expand(current[1], groups)
+            grad_k, grad_v = torch.zeros_like(current[0]), torch.zeros_like(current[1])
             for tile in _tiles(blocks[(rank - step) % size]):
                 dq, dk, dv = call_op(BACKWARD, q.device.type, q[:, :, tile.q], keys[:, :, tile.k],
                                      values[:, :, tile.k], scale, tile.mask, out[:, :, tile.q], lse[:, :, tile.q],
                                      grad_out[:, :, tile.q], tile.causal)
                 grad_q[:, :, tile.q] += dq
-                travelling[2][:, :, tile.k] += _fold(dk, groups)
-                travelling[3][:, :, tile.k] += _fold(dv, groups)
-            # every hop, the last one included: it takes each chunk's gradients home
-            received, requests = _exchange(travelling if step + 1 < size else travelling[2:], group)
-            for request in requests:
-                request.wait()
-            travelling = received if step + 1 < size else [None, None, *received]
-        return grad_q, travelling[2], travelling[3], None, None, None
+                grad_k[:, :, tile.k] += _fold(dk, groups)
+                grad_v[:, :, tile.k] += _fold(dv, groups)
+            if incoming is not None:  # add the ranks before this one's shares of this chunk
+                received, requests = incoming
+                for request in requests:
+                    request.wait()
+                grad_k, grad_v = grad_k + received[0], grad_v + received[1]
+            # every hop, the last one included: after it each chunk's sums are home, complete
+            incoming = _exchange([grad_k, grad_v], group)
+            if pending is not None:
+                received, requests = pending
+                for request in requests:
+                    request.wait()
+                current = received
+        received, requests = incoming
+        for request in requests:
+            request.wait()
+        return grad_q, received[0], received[1], None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -156,7 +174,7 @@ def _lower(part: torch.Tensor) -> torch.Tensor:
     return square.expand_as(part)
 
 
-def ring_masks(context, rank: int, device: torch.device) -> list[list[Tile]]:
+def ring_tiles(context, rank: int, device: torch.device) -> list[list[Tile]]:
     """This rank's queries against every rank's keys, as tiles between runs of consecutive
     positions: causal by global position, within each packed document, never onto padding.
     A tile nothing sees is left out (zig-zag's saving), one everything sees has no mask."""
@@ -200,11 +218,11 @@ def ring_core(state) -> Any:
         if unsupported:
             raise ConfigError("cp_plan.mode", state.mode, "use mode 'ulysses' for this model",
                               reason=f"ring attention does not implement {unsupported}")
-        if context.ring_masks is None:
-            context.ring_masks = ring_masks(context, state.ring_rank, query.device)
+        if context.ring_tiles is None:
+            context.ring_tiles = ring_tiles(context, state.ring_rank, query.device)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         # fp32 blocks: the merge and the recomputed backward are exact to rounding
-        out = ring_attention(query.float(), key.float(), value.float(), scale, context.ring_masks, state.ring_group)
+        out = ring_attention(query.float(), key.float(), value.float(), scale, context.ring_tiles, state.ring_group)
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
     return attention
