@@ -217,6 +217,7 @@ def compile_pair_run(kind: str, config: dict, model_kwargs: dict) -> tuple[Train
     eager, _ = matrix_run(kind, {**config, "compile": False}, model_kwargs)
     compiled, facts = matrix_run(kind, {**config, "compile": True}, model_kwargs)
     return eager, compiled, {**facts, "graph_breaks": sum(counters["graph_break"].values()),
+                             "graph_break_reasons": {reason.splitlines()[0] for reason in counters["graph_break"]},
                              "graphs": counters["stats"]["unique_graphs"]}
 
 

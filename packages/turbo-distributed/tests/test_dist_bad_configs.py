@@ -81,6 +81,10 @@ MODEL_CASES = {
     "colwise_dim_not_divisible_by_tp": ({"tensor_parallel_size": 4, "tp_plan": {"colwise_parallel": ["lm_head"]}},
                                         "tp_plan.colwise_parallel",
                                         {"num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 250}),
+    "cp_ring_on_flex_attention": ({"context_parallel_size": 4, "cp_plan": {"mode": "ring"}}, "cp_plan.mode",
+                                  {"attn_implementation": "flex_attention"}),
+    "cp_ring_with_attention_dropout": ({"context_parallel_size": 4, "cp_plan": {"mode": "ring"}}, "cp_plan.mode",
+                                       {"attention_dropout": 0.1}),
     "tied_weights_sharded_differently": ({"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": ["lm_head"]}},
                                          "tp_plan", {"tie_word_embeddings": True}),
 }

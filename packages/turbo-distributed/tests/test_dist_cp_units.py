@@ -80,5 +80,5 @@ def test_validation():
         resolve_cp_target(nn.Linear(2, 2), CPPlanConfig(attention_function="torch.no_such_attention"))
     flex = tiny_hf_causal_lm("llama")
     flex.config._attn_implementation = "flex_attention"
-    with pytest.raises(ConfigError, match="cannot wrap"):
+    with pytest.raises(ConfigError, match="cannot take the place"):
         resolve_cp_target(flex, None)

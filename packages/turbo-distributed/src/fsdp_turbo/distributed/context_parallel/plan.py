@@ -78,6 +78,20 @@ def _hf_sliding_layers(config: Any) -> bool:
     return any("sliding" in str(t) for t in layer_types)
 
 
+def _check_ring_can_compute(config: Any, mode: str) -> None:
+    """The ring computes attention itself (``ring_math``): plain softmax attention with a
+    causal, padding and document mask. What the model's own attention would add, it refuses
+    here, before anything is sent (sliding windows are refused for every mode below)."""
+    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+    if dropout > 0:
+        raise ConfigError("cp_plan.mode", mode, "set the model's attention_dropout to 0, or use mode 'ulysses'",
+                          reason=f"ring attention has no dropout (attention_dropout={dropout})")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ConfigError("cp_plan.mode", mode, "use mode 'ulysses' for this model",
+                          reason=f"ring attention does not soft-cap its logits (attn_logit_softcapping={softcap})")
+
+
 def resolve_cp_target(model: nn.Module, plan: CPPlanConfig | None) -> CPTarget:
     """Raises ``ConfigError`` (the same on every rank); never communicates."""
     if plan is not None and plan.attention_function is not None:
@@ -88,10 +102,14 @@ def resolve_cp_target(model: nn.Module, plan: CPPlanConfig | None) -> CPTarget:
         raise ConfigError("cp_plan.attention_function", None,
                           "give cp_plan=CPPlanConfig(attention_function='package.module.core_attention')",
                           reason=f"{type(model).__name__} has no recognisable attention (no HF attn_implementation)")
+    mode = plan.mode if plan is not None else "ulysses"
     if implementation not in HF_IMPLEMENTATIONS:
-        raise ConfigError("context_parallel_size", implementation,
+        raise ConfigError("context_parallel_size" if mode == "ulysses" else "cp_plan.mode", implementation,
                           f"load the model with attn_implementation in {list(HF_IMPLEMENTATIONS)}",
-                          reason=f"Ulysses cannot wrap the {implementation!r} attention")
+                          reason=f"{'Ulysses' if mode == 'ulysses' else 'ring attention'} cannot take the place "
+                                 f"of the {implementation!r} attention")
+    if mode != "ulysses":
+        _check_ring_can_compute(config, mode)
     if _hf_sliding_layers(config):
         raise ConfigError("context_parallel_size", getattr(config, "sliding_window", None),
                           "use context_parallel_size=1 for models with sliding-window layers",

@@ -205,8 +205,13 @@ def ring_tiles(context, rank: int, device: torch.device) -> list[list[Tile]]:
 
 def ring_core(state) -> Any:
     """The ring as an HF core attention: ``query [B, H, S_member, D]`` of this ring member
-    (a pure ring: this rank's chunk; hybrid: its Ulysses group's, for H/ulysses heads)."""
+    (a pure ring: this rank's chunk; hybrid: its Ulysses group's, for H/ulysses heads).
 
+    Under per-block compile it runs eagerly, one graph break per layer: dynamo does not
+    trace P2P by default (each ``P2POp`` would break the graph), and the tiles are slices
+    whose bounds depend on the positions' values."""
+
+    @torch.compiler.disable
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         context = state.current
         if context is None:
