@@ -10,10 +10,11 @@ Printed:
   K, V and the output, ``(u - 1)/u`` of each) plus a ring of ``r = cp/u`` over ``u``-fold
   longer chunks of ``H_kv/u`` heads (goal 1.00);
 - step time (forward + backward) of the ring divided by Ulysses at CP=4 (reported);
-- the slowest rank's attention compute (the ring's block kernels, timed on each rank),
-  load-balanced (zig-zag) divided by contiguous chunks (goal <= 0.6); and, since four ranks
-  sharing fewer cores blur per-rank times, the same for the work itself (query-key pairs
-  the kernels compute, a causal tile counting half).
+- the slowest rank's attention compute, load-balanced (zig-zag) divided by contiguous
+  chunks (goal <= 0.6): each rank's ring block kernels, recorded in one step and run
+  again one rank at a time (the best of three), since four ranks sharing fewer cores would slow each other's
+  kernels by how many are busy at once, not by their own work; and the work itself
+  (query-key pairs the kernels compute, a causal tile counting half).
 
     python tools/bench/context_parallel.py [--seq 16384]
 """
@@ -67,25 +68,43 @@ def reference_job(seq: int) -> int:
     return peak_activation_bytes(_model(), input_ids=ids, labels=ids, use_cache=False)
 
 
-def _timed_kernels() -> list[float]:
-    """Time every ring block kernel on this rank (the compute, not the waits)."""
+def _timed_kernels() -> tuple[list[float], list]:
+    """Count every ring block kernel's work on this rank and keep its calls for the replay."""
     from fsdp_turbo.core.ops import get_op, register_op
     from fsdp_turbo.distributed.context_parallel.ring_kernels import BACKWARD, FORWARD
 
-    spent = [0.0, 0.0]  # seconds, and query-key pairs computed (a causal tile: half)
+    # query-key pairs computed (a causal tile: half); the calls, kept only once calls[0] is
+    # set (holding them earlier would add to the peak measured)
+    work, calls = [0.0], [False]
     for name in (FORWARD, BACKWARD):
         inner = get_op(name, "cpu")
 
-        def timed(q, k, *args, inner=inner, **kwargs):
-            started = time.perf_counter()
-            value = inner(q, k, *args, **kwargs)
-            spent[0] += time.perf_counter() - started
+        def counted(q, k, *args, inner=inner):
             causal = args[-1] if isinstance(args[-1], bool) else False
-            spent[1] += q.shape[2] * k.shape[2] / (2 if causal else 1)
-            return value
+            work[0] += q.shape[2] * k.shape[2] / (2 if causal else 1)
+            if calls[0]:
+                calls.append((inner, (q, k, *args)))
+            return inner(q, k, *args)
 
-        register_op(name, "cpu", override=True)(timed)
-    return spent
+        register_op(name, "cpu", override=True)(counted)
+    return work, calls
+
+
+def _replay_alone(calls: list) -> float:
+    """This rank's attention compute: its block kernels run again, one rank at a time, so
+    that four ranks sharing fewer cores do not slow each other's kernels."""
+    import torch.distributed as dist
+
+    seconds = float("inf")
+    for turn in range(dist.get_world_size()):
+        if turn == dist.get_rank():
+            for _ in range(3):  # the best of three: what is left of other processes' noise
+                started = time.perf_counter()
+                for kernel, args in calls[1:]:
+                    kernel(*args)
+                seconds = min(seconds, time.perf_counter() - started)
+        dist.barrier()
+    return seconds
 
 
 def cp_job(seq: int, mode: str) -> dict:
@@ -94,7 +113,7 @@ def cp_job(seq: int, mode: str) -> dict:
     from fsdp_turbo.distributed.context_parallel import apply_context_parallel
     from fsdp_turbo.fsdp_turbo_config import CPPlanConfig
 
-    spent = _timed_kernels()
+    work, calls = _timed_kernels()
     plan = MODES[mode]
     model = _model()
     mesh = init_device_mesh("cpu", (CP,), mesh_dim_names=("cp",))
@@ -105,14 +124,14 @@ def cp_job(seq: int, mode: str) -> dict:
     counter = SentBytes({"a2a": a2a})
     with counter, torch.no_grad():
         model(**inputs)
-    spent[0] = spent[1] = 0.0
+    model.zero_grad(set_to_none=True)
+    peak = peak_activation_bytes(model, **inputs)
+    work[0], calls[:] = 0.0, [True]
     started = time.perf_counter()
     model(**inputs).loss.backward()
     step = time.perf_counter() - started
-    kernels, work = spent
-    model.zero_grad(set_to_none=True)
-    peak = peak_activation_bytes(model, **inputs)
-    return {"sent": counter.sent, "peak": peak, "step": step, "kernels": kernels, "work": work}
+    kernels = _replay_alone(calls)
+    return {"sent": counter.sent, "peak": peak, "step": step, "kernels": kernels, "work": work[0]}
 
 
 def theory_bytes(mode: str, seq: int) -> float:
@@ -156,7 +175,7 @@ def main() -> None:
            f"{step['ring']:.2f} vs {step['ulysses']:.2f} s")
     slowest = {mode: max(r["kernels"] for r in runs[mode]) for mode in ("ring", "ring_contiguous")}
     report("slowest rank's ring attention compute, zig-zag vs contiguous", slowest["ring"] / slowest["ring_contiguous"],
-           "<= 0.6", f"{slowest['ring']:.2f} vs {slowest['ring_contiguous']:.2f} s (4 ranks share the cores)")
+           "<= 0.6", f"{slowest['ring']:.2f} vs {slowest['ring_contiguous']:.2f} s (each rank's kernels run alone)")
     work = {mode: max(r["work"] for r in runs[mode]) for mode in ("ring", "ring_contiguous")}
     report("slowest rank's attention work (query-key pairs), zig-zag vs contiguous",
            work["ring"] / work["ring_contiguous"], "reported", f"{work['ring']:.3g} vs {work['ring_contiguous']:.3g}")

@@ -33,7 +33,7 @@ BENCHES = {
     "recompute": [],
     "load_pretrained": [],
     "data_pipeline": [],
-    "context_parallel": ["--seq", "8192"],
+    "context_parallel": [],
 }
 
 

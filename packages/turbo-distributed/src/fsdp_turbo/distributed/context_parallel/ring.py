@@ -174,32 +174,46 @@ def _lower(part: torch.Tensor) -> torch.Tensor:
     return square.expand_as(part)
 
 
+def _tile(q_run: slice, k_run: slice, mine: torch.Tensor, theirs: torch.Tensor, context,
+          device: torch.device) -> Tile | None:
+    """How the queries of run ``q_run`` see the keys of run ``k_run``: None (not at all), or
+    a Tile. Without documents or padding it is decided from the runs' ends alone, so no
+    ``[S, S]`` mask is built for the whole chunk (at 16k tokens a ring member's would be
+    64 MiB); otherwise from this tile's own mask."""
+    q_first, q_last = int(mine[q_run][0]), int(mine[q_run][-1])
+    k_first, k_last = int(theirs[k_run][0]), int(theirs[k_run][-1])
+    if context.documents is None and context.padding_mask is None:
+        if k_last <= q_first:
+            return Tile(q_run, k_run, None)
+        if k_first > q_last:
+            return None
+        if (q_first, q_last) == (k_first, k_last):
+            return Tile(q_run, k_run, None, causal=True)
+    q_pos, k_pos = mine[q_run], theirs[k_run]
+    documents = None if context.documents is None else context.documents.to(device)
+    docs = (documents[:, q_pos], documents[:, k_pos]) if documents is not None else (None, None)
+    allowed = visible(q_pos, k_pos, *docs)
+    if context.padding_mask is not None:
+        allowed = allowed & context.padding_mask.to(device)[:, k_pos][:, None, None, :]
+    if not bool(allowed.any()):
+        return None
+    if bool(allowed.all()):
+        return Tile(q_run, k_run, None)
+    if (q_first, q_last) == (k_first, k_last) and torch.equal(allowed, _lower(allowed)):
+        return Tile(q_run, k_run, None, causal=True)
+    return Tile(q_run, k_run, allowed.contiguous())
+
+
 def ring_tiles(context, rank: int, device: torch.device) -> list[list[Tile]]:
     """This rank's queries against every rank's keys, as tiles between runs of consecutive
     positions: causal by global position, within each packed document, never onto padding.
     A tile nothing sees is left out (zig-zag's saving), one everything sees has no mask."""
     positions = [p.to(device) for p in context.ring_positions]
     mine = positions[rank]
-    documents = None if context.documents is None else context.documents.to(device)
     blocks = []
     for theirs in positions:
-        docs = (documents[:, mine], documents[:, theirs]) if documents is not None else (None, None)
-        allowed = visible(mine, theirs, *docs)
-        if context.padding_mask is not None:
-            allowed = allowed & context.padding_mask.to(device)[:, theirs][:, None, None, :]
-        tiles = []
-        for q_run in _runs(mine):
-            for k_run in _runs(theirs):
-                part = allowed[..., q_run, k_run]
-                if not bool(part.any()):
-                    continue
-                if bool(part.all()):
-                    tiles.append(Tile(q_run, k_run, None))
-                elif torch.equal(mine[q_run], theirs[k_run]) and torch.equal(part, _lower(part)):
-                    tiles.append(Tile(q_run, k_run, None, causal=True))
-                else:
-                    tiles.append(Tile(q_run, k_run, part.contiguous()))
-        blocks.append(tiles)
+        tiles = (_tile(q_run, k_run, mine, theirs, context, device) for q_run in _runs(mine) for k_run in _runs(theirs))
+        blocks.append([tile for tile in tiles if tile is not None])
     return blocks
 
 
