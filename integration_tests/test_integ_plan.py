@@ -10,6 +10,7 @@ import yaml
 from cli_jobs import measured_model_state
 
 from fsdp_turbo.cli.job_config import JobConfig
+from fsdp_turbo.cli.main import main
 from fsdp_turbo.cli.plan import compress_names, make_plan
 from fsdp_turbo.core.testing import run_distributed
 
@@ -40,6 +41,57 @@ def test_plan_reports_config_errors_like_train(tmp_path):
     for result in (plan(bad, "--world-size", 4),):
         assert result.returncode == 2
         assert "ep_plan.apply_modules='*.no_such_experts' is invalid: the pattern matches no module" in result.stderr
+
+
+def _job_file(tmp_path, turbo):
+    job = yaml.safe_load(DEMO.read_text())
+    job["turbo"] = turbo
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def _placement_block(output):
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("placement:"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("weights:"))
+    return lines[start:end]
+
+
+def test_plan_shows_where_each_mesh_group_lands_on_the_nodes(tmp_path, capsys):
+    job = _job_file(tmp_path, {**TP, "context_parallel_size": 2})  # fsdp2 x cp2 x tp2
+    assert main(["plan", str(job), "--nnodes", "2", "--nproc-per-node", "4"]) == 0
+    output = capsys.readouterr().out
+    assert "world size 8" in output
+    assert _placement_block(output) == [
+        "placement: 2 nodes x 4 ranks (node = rank // 4, as torchrun numbers them)",
+        "  fsdp         groups of 2: across nodes 0-1",
+        "               nodes 0-1: {0,4} {1,5} {2,6} {3,7}",
+        "  cp           groups of 2: each inside one node",
+        "               node 0: {0,2} {1,3}; node 1: {4,6} {5,7}",
+        "  tp           groups of 2: each inside one node",
+        "               node 0: {0,1} {2,3}; node 1: {4,5} {6,7}",
+        "  fsdp_cp      groups of 4: across nodes 0-1",
+        "               nodes 0-1: {0,2,4,6} {1,3,5,7}",
+        "  efsdp        groups of 8: across nodes 0-1",
+        "               nodes 0-1: {0-7}",
+    ]
+
+
+def test_plan_warns_when_tp_crosses_nodes(tmp_path, capsys):
+    assert main(["plan", str(_job_file(tmp_path, TP)), "--nnodes", "4"]) == 0  # 4 ranks: one a node
+    block = _placement_block(capsys.readouterr().out)
+    assert block[0] == "placement: 4 nodes x 1 rank (node = rank // 1, as torchrun numbers them)"
+    assert "  tp           groups of 2: each across 2 nodes" in block
+    assert block[-1].startswith("  warning: tensor_parallel_size=2 spans 2 nodes of 1 rank")
+
+
+def test_plan_node_flags_must_agree_with_the_world_size(capsys):
+    assert main(["plan", str(DEMO), "--nnodes", "2", "--nproc-per-node", "4", "--world-size", "4"]) == 2
+    assert ("--world-size=4 is invalid: 2 nodes of 4 ranks are 8. Fix: drop it, or make it --nnodes x "
+            "--nproc-per-node = 8") in capsys.readouterr().err
+    assert main(["plan", str(DEMO), "--nproc-per-node", "3", "--world-size", "4"]) == 2
+    assert "--nproc-per-node=3 is invalid" in capsys.readouterr().err
 
 
 def test_compress_names():

@@ -20,13 +20,14 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_turbo.core.blueprint import guard_meta_model, has_meta_tensors, record_blueprint
-from fsdp_turbo.core.device import backend_for, current_device, detect_device_type
+from fsdp_turbo.core.device import detect_device_type, init_process_group
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.features import Feature, ignored_fields, requested_features
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.model_inspect import attention_heads
 from fsdp_turbo.core.parallel_state import ParallelSizes, ParallelState
 from fsdp_turbo.core.plugin import FeaturePlan, Transform, TransformRegistry, planning_order, registry
+from fsdp_turbo.core.topology import launch_warnings
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
 __all__ = ["FSDPTurbo", "Planned", "plan_transforms"]
@@ -111,11 +112,9 @@ def plan_transforms(config: FSDPTurboConfig, model: nn.Module, state: ParallelSt
 def _ensure_process_group(state: ParallelState, planned: list[Planned]) -> None:
     if state.distributed or (state.world_size == 1 and not any(t.name == "fully_shard" for t, _ in planned)):
         return
-    device = current_device(state.device_type)
-    options = {"device_id": device if device.type != "cpu" else None}
-    if state.world_size == 1:  # one process with an fsdp_plan: a one-rank group, no launcher needed
-        options.update(store=dist.HashStore(), rank=0, world_size=1)
-    dist.init_process_group(backend=backend_for(state.device_type), **options)
+    # one process with an fsdp_plan: a one-rank group, no launcher needed
+    options = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if state.world_size == 1 else {}
+    init_process_group(state.device_type, **options)
     state.distributed = True
 
 
@@ -131,6 +130,9 @@ def FSDPTurbo(config: FSDPTurboConfig | Mapping[str, Any] | str | Path, model: M
                           reason="this model has already been through FSDPTurbo")
     world_size, rank = _world_and_rank()
     sizes = config.validate(world_size)
+    if rank == 0:  # one warning for the job, not one a rank; advice only, so it raises nothing
+        for message in launch_warnings(sizes):
+            _log.warning(message)
     state = ParallelState.create(sizes, rank, detect_device_type(config.device_type))
     planned = plan_transforms(config, model, state)
     record_blueprint(model)

@@ -198,25 +198,54 @@ class OptimizerSection(ConfigSection):
 
 @dataclass(frozen=True)
 class RunSection(ConfigSection):
-    """``nonfinite``: on a non-finite loss or gradient norm, ``stop`` (the job fails, naming the
+    """``micro_batch``: rows per forward on each data shard. ``global_batch``: rows per
+    optimizer step over all shards; when set, gradient accumulation is derived from it
+    (``global_batch / (micro_batch x data shards)``), so a job that resumes on fewer nodes
+    keeps its batch and its data order; else ``grad_accum`` micro-batches a step.
+
+    ``nonfinite``: on a non-finite loss or gradient norm, ``stop`` (the job fails, naming the
     step; no checkpoint of that step is written) or ``skip`` the step (no update; counted in
-    the metrics; the job fails after ``max_skipped`` of them)."""
+    the metrics; the job fails after ``max_skipped`` of them).
+
+    ``collective_timeout_s``: how long a collective waits for its peers before it fails, so
+    that a dead or stopped peer becomes an error (and a torchrun restart), not a stall."""
 
     _prefix: ClassVar[str] = "run"
 
     steps: int = 100
     micro_batch: int = 4
     grad_accum: int = 1
+    global_batch: int | None = None
     seed: int = 0
     nonfinite: str = "stop"
     max_skipped: int = 10
+    collective_timeout_s: float = 600.0  # NCCL's own default; gloo's (30 min) is too long to notice a lost node
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch", "grad_accum"):
             check_int(getattr(self, name), f"run.{name}", minimum=1)
+        if self.global_batch is not None:
+            check_int(self.global_batch, "run.global_batch", minimum=1)
+            if self.grad_accum != 1:
+                raise ConfigError("run.grad_accum", self.grad_accum, "leave grad_accum out when global_batch is set",
+                                  reason="with run.global_batch the accumulation is derived from the world size")
         check_int(self.seed, "run.seed", minimum=0)
         _set(self, "nonfinite", check_choice(self.nonfinite, "run.nonfinite", ("stop", "skip")))
         check_int(self.max_skipped, "run.max_skipped", minimum=1)
+        _set(self, "collective_timeout_s", check_float(self.collective_timeout_s, "run.collective_timeout_s",
+                                                       minimum=1.0))
+
+    def accumulation(self, data_shards: int) -> int:
+        """Micro-batches per optimizer step on ``data_shards`` shards (``ConfigError`` when
+        ``global_batch`` does not split into whole micro-batches)."""
+        if self.global_batch is None:
+            return self.grad_accum
+        per_step = self.micro_batch * data_shards
+        if self.global_batch % per_step:
+            raise ConfigError("run.global_batch", self.global_batch, f"use a multiple of micro_batch x data shards "
+                              f"= {self.micro_batch} x {data_shards} = {per_step}",
+                              reason="every shard runs the same number of whole micro-batches a step")
+        return self.global_batch // per_step
 
 
 @dataclass(frozen=True)

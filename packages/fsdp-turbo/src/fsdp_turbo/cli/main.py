@@ -4,7 +4,7 @@
                               [--save-every N] [--max-restarts N] [--resume auto|none|DIR]
                               [--stop-at-step N]
                               [torchrun rendezvous flags: --nnodes, --node-rank, --rdzv-*, ...]
-    fsdp-turbo plan JOB.yaml [--world-size N]
+    fsdp-turbo plan JOB.yaml [--world-size N] [--nnodes N] [--nproc-per-node K]
     fsdp-turbo data JOB.yaml [--show N] [--output-dir DIR]
 
 ``train`` checks the job file, then hands the job to PyTorch's own launcher
@@ -45,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="dry run: patterns, mesh layout and per-rank memory")
     plan.add_argument("config")
     plan.add_argument("--world-size", type=int, help="default: the product of the job's parallel sizes")
+    # plan's own --nnodes/--nproc-per-node are numbers (train's pass torchrun's strings through):
+    # with either, the plan also shows which node each mesh group lands on
+    plan.add_argument("--nnodes", type=int, help="nodes: add the placement of every mesh group on them")
+    plan.add_argument("--nproc-per-node", type=int, help="ranks per node (with --nnodes: world = N x K)")
     data = commands.add_parser("data", help="the first training sequences, decoded, and data statistics")
     data.add_argument("config")
     data.add_argument("--show", type=int, default=3, help="how many training sequences to print")
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             from fsdp_turbo.cli.plan import print_plan
 
-            print_plan(job, args.world_size)
+            print_plan(job, args.world_size, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node)
             return 0
         if args.command == "data":
             from fsdp_turbo.cli.data.show import show
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         world = _static_world(args)
         if world is not None:  # elastic ranges ("1:4") are checked by the workers
-            job.turbo.validate(world)
+            job.run.accumulation(job.turbo.validate(world).dp_replicate_x_fsdp)
         _prepare_data(job, args.output_dir)
     except ConfigError as error:
         print(f"fsdp-turbo: {error}", file=sys.stderr)

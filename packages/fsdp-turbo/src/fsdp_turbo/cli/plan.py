@@ -3,8 +3,9 @@
 It plans the job exactly as ``train`` does (the facade's own planner, every enabled
 feature's plan), then prints what each plan resolved, the mesh layout (rank ->
 coordinates) and the per-rank memory estimate the plans make together
-(``fsdp_turbo.core.memory_estimate``). It imports no feature package: everything it
-shows comes from the plans' ``describe()`` and ``estimate()``.
+(``fsdp_turbo.core.memory_estimate``). With ``--nnodes``/``--nproc-per-node`` it also shows
+which node every mesh group lands on (``fsdp_turbo.core.topology``). It imports no feature
+package: everything it shows comes from the plans' ``describe()`` and ``estimate()``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from collections import defaultdict
 from fsdp_turbo.cli.job_config import JobConfig
 from fsdp_turbo.cli.model import build_model
 from fsdp_turbo.core.device import detect_device_type
+from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.features import ignored_fields
 from fsdp_turbo.core.memory_estimate import MemoryEstimate, MemoryModel
-from fsdp_turbo.core.parallel_state import ParallelState
+from fsdp_turbo.core.parallel_state import ParallelSizes, ParallelState
+from fsdp_turbo.core.topology import NodeLayout, cross_node_warnings, placement
 from fsdp_turbo.fsdp_turbo import plan_transforms
 
 MIB = 2**20
@@ -48,9 +51,48 @@ def default_world_size(job: JobConfig) -> int:
     return config.data_parallel_size * fsdp * config.context_parallel_size * config.tensor_parallel_size
 
 
-def make_plan(job: JobConfig, world_size: int | None = None) -> tuple[list[str], MemoryEstimate]:
-    """The plan's lines and memory estimate. Raises ``ConfigError`` as ``train`` would."""
+def node_layout(job: JobConfig, world_size: int | None, nnodes: int | None,
+                nproc_per_node: int | None) -> NodeLayout | None:
+    """The nodes the flags describe, or ``None`` without ``--nnodes``/``--nproc-per-node``.
+
+    Both flags: ``N x K`` ranks, which ``--world-size`` must then match. One flag: the other
+    follows from the world size (``--world-size``, else the job's sizes).
+    """
+    if nnodes is None and nproc_per_node is None:
+        return None
+    for flag, value in (("--nnodes", nnodes), ("--nproc-per-node", nproc_per_node)):
+        if value is not None and value < 1:
+            raise ConfigError(flag, value, "use a whole number >= 1")
+    if nnodes is not None and nproc_per_node is not None:
+        if world_size is not None and world_size != nnodes * nproc_per_node:
+            raise ConfigError("--world-size", world_size,
+                              f"drop it, or make it --nnodes x --nproc-per-node = {nnodes * nproc_per_node}",
+                              reason=f"{nnodes} nodes of {nproc_per_node} ranks are {nnodes * nproc_per_node}")
+        return NodeLayout(ranks_per_node=nproc_per_node, nodes=nnodes)
     world = world_size or default_world_size(job)
+    flag, given = ("--nnodes", nnodes) if nnodes is not None else ("--nproc-per-node", nproc_per_node)
+    if world % given:
+        raise ConfigError(flag, given, f"use a divisor of the world size {world}, or give both --nnodes and "
+                          "--nproc-per-node", reason=f"{world} ranks are not a whole number of nodes")
+    other = world // given
+    return NodeLayout(ranks_per_node=other, nodes=given) if nnodes is not None else NodeLayout(given, other)
+
+
+def placement_lines(sizes: ParallelSizes, nodes: NodeLayout) -> list[str]:
+    """The ``placement`` block: where each mesh group lands, then any cross-node warning."""
+    per_node = nodes.ranks_per_node
+    lines = [f"placement: {nodes.nodes} node{'s' if nodes.nodes > 1 else ''} x {per_node} "
+             f"rank{'s' if per_node > 1 else ''} (node = rank // {per_node}, as torchrun numbers them)"]
+    lines += [f"  {line}" for line in placement(sizes, nodes).describe()]
+    lines += [f"  warning: {message}" for message in cross_node_warnings(sizes, nodes)]
+    return lines
+
+
+def make_plan(job: JobConfig, world_size: int | None = None, *,
+              nodes: NodeLayout | None = None) -> tuple[list[str], MemoryEstimate]:
+    """The plan's lines and memory estimate. Raises ``ConfigError`` as ``train`` would.
+    ``nodes`` adds the placement block, and sets the world size (``nodes.world``)."""
+    world = nodes.world if nodes is not None else world_size or default_world_size(job)
     sizes = job.turbo.validate(world)
     model = build_model(job.model)
     # train runs every job under torchrun, so this plans for a launched job (FSDP is on
@@ -71,6 +113,8 @@ def make_plan(job: JobConfig, world_size: int | None = None) -> tuple[list[str],
         coords = ParallelState(sizes, rank=rank, device_type=state.device_type, distributed=True).coordinates
         lines.append(f"        {rank:4d}  {coords['dp_replicate']:12d}  {coords['fsdp']:4d}  {coords['cp']:2d}  "
                      f"{coords['tp']:2d}  |  {coords['edp']:3d}  {coords['efsdp']:5d}  {coords['ep']:2d}")
+    if nodes is not None:
+        lines += placement_lines(sizes, nodes)
     lines.append(weights)
     ignored = ignored_fields(job.turbo, state)
     if ignored:
@@ -113,6 +157,8 @@ def _weights_line(job: JobConfig, memory: MemoryModel) -> str:
 _ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
-def print_plan(job: JobConfig, world_size: int | None = None) -> None:
-    lines, _ = make_plan(job, world_size)
+def print_plan(job: JobConfig, world_size: int | None = None, *, nnodes: int | None = None,
+               nproc_per_node: int | None = None) -> None:
+    nodes = node_layout(job, world_size, nnodes, nproc_per_node)
+    lines, _ = make_plan(job, world_size, nodes=nodes)
     print("\n".join(lines))

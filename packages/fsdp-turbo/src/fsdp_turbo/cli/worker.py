@@ -24,13 +24,22 @@ from fsdp_turbo.cli.job_config import JobConfig
 from fsdp_turbo.cli.metrics import MetricsLog, TensorBoardLog, peak_tflops, plot_loss, progress_bar
 from fsdp_turbo.cli.model import build_model, fill_weights
 from fsdp_turbo.cli.optim import build_optimizer, build_scheduler, clip_grad_norm
-from fsdp_turbo.core.device import current_device, device_name, peak_memory_bytes
+from fsdp_turbo.core.device import (
+    current_device,
+    detect_device_type,
+    device_name,
+    init_process_group,
+    peak_memory_bytes,
+)
 from fsdp_turbo.core.logging import get_logger
 
 _log = get_logger("fsdp_turbo.cli.worker")  # not "__main__" under python -m
-# A test hook, not a setting (named so no user sets it by accident): "STEP:RANK" SIGKILLs
-# that rank at that step, on the first attempt only.
+# Test hooks, not settings (named so no user sets them by accident): "STEP:RANK" SIGKILLs
+# (a crash) or SIGSTOPs (a peer that stops responding) that rank after that step, on the
+# first attempt only; RANK "*" is every worker that has the variable (one node's, when
+# only that node's agent was started with it).
 KILL_ENV = "FSDP_TURBO_TEST_HOOK_KILL_AT_STEP"
+STOP_ENV = "FSDP_TURBO_TEST_HOOK_STOP_AT_STEP"
 
 
 # A test hook: "STEP" makes that step's loss NaN on every rank (the non-finite guards' tests).
@@ -42,12 +51,16 @@ class NonFiniteLoss(RuntimeError):
     and skipped too many)."""
 
 
-def _maybe_kill(step: int, rank: int) -> None:
-    target = os.environ.get(KILL_ENV)
-    if target and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        kill_step, kill_rank = (int(v) for v in target.split(":"))
-        if (step, rank) == (kill_step, kill_rank):
-            os.kill(os.getpid(), signal.SIGKILL)
+def _maybe_signal(step: int, rank: int) -> None:
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    for variable, sent in ((KILL_ENV, signal.SIGKILL), (STOP_ENV, signal.SIGSTOP)):
+        target = os.environ.get(variable)
+        if not target:
+            continue
+        at_step, at_rank = target.split(":")
+        if int(at_step) == step and at_rank in ("*", str(rank)):
+            os.kill(os.getpid(), sent)
 
 
 def _world_mean(value: torch.Tensor) -> float:
@@ -87,6 +100,15 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
     run, output = job.run, Path(job.output_dir)
+    # Checked before any process group: sizes, and the accumulation a global batch implies.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    accumulation = run.accumulation(job.turbo.validate(world).dp_replicate_x_fsdp)
+    if world > 1 and not dist.is_initialized():
+        init_process_group(detect_device_type(job.turbo.device_type), run.collective_timeout_s)
+        # What torchrun's agent on this node gave this worker (the device index and the
+        # node layout come from these); a multi-node log shows every rank's place.
+        _log.info(f"rank {dist.get_rank()}: local rank {os.environ.get('LOCAL_RANK')} of "
+                  f"{os.environ.get('LOCAL_WORLD_SIZE')} on node {os.environ.get('GROUP_RANK')}", all_ranks=True)
     model = build_model(job.model)  # on the meta device
     # Before any process group: a bad data source fails here, alike on every rank.
     data = load_data(job.data, output, run.seed, vocab_size=getattr(model.config, "vocab_size", None))
@@ -117,14 +139,14 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
     board = TensorBoardLog(output) if rank0 and job.logging.tensorboard else None
     device = current_device(state.device_type)
     peak = peak_tflops(device_name(device.type))
-    tokens_per_step = run.micro_batch * state.dp_size * run.grad_accum * job.data.seq_len
+    tokens_per_step = run.micro_batch * state.dp_size * accumulation * job.data.seq_len
     bar = progress_bar(run.steps, start, rank0)
     last = min(run.steps, stop_at_step) if stop_at_step is not None else run.steps
     for step in range(start + 1, last + 1):
         began = time.perf_counter()
         total = torch.zeros((), device=device)
         poison = float("nan") if os.environ.get(NAN_ENV) == str(step) else 1.0
-        batches = [loader.next_batch(run.micro_batch, state.dp_rank, state.dp_size) for _ in range(run.grad_accum)]
+        batches = [loader.next_batch(run.micro_batch, state.dp_rank, state.dp_size) for _ in range(accumulation)]
         data_wait = time.perf_counter() - began  # the loop waits for nothing else before the forward
         items = items_per_rank(batches, device)  # the step's loss is its global token mean (see evaluation)
         for batch in batches:
@@ -154,7 +176,7 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
             peak_mib = peak_memory_bytes(device.type) / 2**20
             row = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                    "tokens_per_s": tokens_per_s, "tflops_per_rank": tflops, "peak_memory_mib": peak_mib,
-                   "data_wait_s": data_wait, "step_s": seconds}
+                   "data_wait_s": data_wait, "step_s": seconds, "world_size": state.world_size}
             row.update(evaluation)
             if skipped:
                 row.update(skipped=not finite, skipped_steps=skipped)
@@ -167,7 +189,7 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
             bar.set_postfix(loss=f"{loss_value:.4f}", **shown, tok_s=f"{tokens_per_s:,.0f}", tflops=f"{tflops:.3f}",
                             **({"mfu": f"{row['mfu']:.1%}"} if peak else {}), peak_mem=f"{peak_mib:,.0f}MiB")
             bar.update(1)
-        _maybe_kill(step, state.rank)
+        _maybe_signal(step, state.rank)
         save_every = job.checkpoint.save_every
         if (save_every and step % save_every == 0) or step == last:
             extra = {"scheduler": scheduler.state_dict(), "data": loader.state_dict(),

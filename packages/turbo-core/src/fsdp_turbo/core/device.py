@@ -7,9 +7,11 @@ import never breaks on machines without it. CPU gets no-op streams.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -57,6 +59,21 @@ def current_device(device_type: str) -> torch.device:
     index = local_rank() % max(torch.accelerator.device_count(), 1)
     torch.accelerator.set_device_index(index)
     return torch.device(device_type, index)
+
+
+def init_process_group(device_type: str, timeout_s: float | None = None, **options: Any) -> None:
+    """Start the default process group for ``device_type`` (gloo, nccl or hccl), from
+    torchrun's environment unless ``options`` say otherwise. ``timeout_s``: how long each
+    collective waits for its peers before it raises, so that a dead or stopped peer ends
+    in an error (and a torchrun restart) instead of a hang."""
+    import torch.distributed as dist
+
+    device = current_device(device_type)
+    if device.type != "cpu":
+        options.setdefault("device_id", device)
+    if timeout_s is not None:
+        options["timeout"] = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend_for(device_type), **options)
 
 
 def has_streams(device_type: str) -> bool:

@@ -109,6 +109,21 @@ def _coordinates(rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(coords))
 
 
+def rank_groups(shape: tuple[int, ...], along: tuple[int, ...]) -> list[list[int]]:
+    """Every group of global ranks that differ only along the dims at positions ``along`` of
+    the row-major mesh ``shape``: the groups a (flattened) submesh over those dims spans.
+
+    Each group is in rank order, which is the row-major order of the ``along`` dims (what
+    ``DeviceMesh._flatten`` gives); groups are sorted by the coordinates of the other dims.
+    """
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(math.prod(shape)):
+        coords = _coordinates(rank, shape)
+        key = tuple(c for i, c in enumerate(coords) if i not in along)
+        groups.setdefault(key, []).append(rank)
+    return [groups[key] for key in sorted(groups)]
+
+
 class ParallelState:
     """Which slice of every parallel dimension this rank holds, plus its meshes.
 
@@ -219,12 +234,7 @@ class ParallelState:
         """Every group of global ranks that differ only along the dense dim ``name``, each in
         that dim's order: what ``mesh(name)`` spans on each rank. For sub-groups that every
         rank must create in the same order (``torch.distributed.new_group``)."""
-        index = DENSE_DIMS.index(name)
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for rank in range(self.world_size):
-            coords = _coordinates(rank, self.sizes.dense_shape)
-            groups.setdefault(coords[:index] + coords[index + 1:], []).append(rank)
-        return [groups[key] for key in sorted(groups)]
+        return rank_groups(self.sizes.dense_shape, (DENSE_DIMS.index(name),))
 
     def group(self, *names: str) -> torch.distributed.ProcessGroup:
         """The process group spanning ``names`` (flattened when several)."""
