@@ -45,6 +45,16 @@ def _job(job: dict, says: str) -> Case:
     return Case("job file", lambda _inputs: JobConfig.from_dict({"model": model, **job}), says)
 
 
+def _global_batch_on(world: int) -> None:
+    """``run.global_batch`` 12 of micro-batches of 2 on 4 data shards (what the worker
+    derives before any process group)."""
+    from fsdp_turbo.cli.job_config import JobConfig
+
+    job = JobConfig.from_dict({"model": {"config": {"model_type": "llama"}},
+                               "run": {"micro_batch": 2, "global_batch": 12}})
+    job.run.accumulation(job.turbo.validate(world).dp_replicate_x_fsdp)
+
+
 def _job_without_model() -> None:
     from fsdp_turbo.cli.job_config import JobConfig
 
@@ -203,6 +213,10 @@ CASES: dict[str, Case] = {
     "job: negative learning rate": _job({"optimizer": {"lr": -1.0}}, "optimizer.lr"),
     "job: zero steps": _job({"run": {"steps": 0}}, "run.steps"),
     "job: unknown nonfinite policy": _job({"run": {"nonfinite": "ignore"}}, "run.nonfinite"),
+    "job: grad_accum beside global_batch": _job({"run": {"global_batch": 8, "grad_accum": 2}}, "run.grad_accum"),
+    "job: collective timeout under a second": _job({"run": {"collective_timeout_s": 0}}, "run.collective_timeout_s"),
+    "job: global batch not whole micro-batches": Case("job file", lambda _i: _global_batch_on(world=4),
+                                                      "use a multiple of micro_batch x data shards = 2 x 4 = 8"),
     "job: source without a field": _job({"data": {"sources": [{"path": "a.jsonl"}]}}, "data.sources[0]"),
     "job: files and sources": _job({"data": {"files": ["a"], "sources": [{"path": "a", "text_field": "t"}]}},
                                    "not both"),
