@@ -82,3 +82,24 @@ def test_validation():
     flex.config._attn_implementation = "flex_attention"
     with pytest.raises(ConfigError, match="cannot take the place"):
         resolve_cp_target(flex, None)
+
+
+def test_zigzag_tiles_one_kernel_call_per_off_diagonal_block():
+    """Zig-zag at CP=4: the own block is a causal tile per chunk plus the full one between
+    them (rank 3's chunks 3 and 4 are adjacent: one causal tile); every other block is one
+    full tile (its two full halves joined); together exactly the pairs causal attention needs."""
+    from fsdp_turbo.distributed.context_parallel.context import ForwardContext
+    from fsdp_turbo.distributed.context_parallel.ring import ring_tiles
+    from fsdp_turbo.distributed.context_parallel.ring_math import chunk_positions
+
+    positions = [chunk_positions(32, 4, r, True) for r in range(4)]
+    for rank in range(4):
+        blocks = ring_tiles(ForwardContext(32, ring_positions=positions), rank, torch.device("cpu"))
+        own = 1 if rank == 3 else 3
+        assert [len(tiles) for tiles in blocks] == [own if source == rank else 1 for source in range(4)]
+        pairs = set()
+        for source, tiles in enumerate(blocks):
+            for tile in tiles:
+                q, k = positions[rank][tile.q], positions[source][tile.k]
+                pairs |= {(int(a), int(b)) for a in q for b in k if not tile.causal or b <= a}
+        assert pairs == {(a, b) for a in positions[rank].tolist() for b in range(32) if b <= a}

@@ -204,16 +204,43 @@ def _tile(q_run: slice, k_run: slice, mine: torch.Tensor, theirs: torch.Tensor, 
     return Tile(q_run, k_run, allowed.contiguous())
 
 
+def _joined(a: Tile, b: Tile) -> Tile | None:
+    """Two fully visible tiles side by side (one query run, adjacent key runs, or the
+    reverse) as one: the same work in one kernel call of twice the size."""
+    if a.mask is not None or b.mask is not None or a.causal or b.causal:
+        return None
+    if a.q == b.q and a.k.stop == b.k.start:
+        return Tile(a.q, slice(a.k.start, b.k.stop), None)
+    if a.k == b.k and a.q.stop == b.q.start:
+        return Tile(slice(a.q.start, b.q.stop), a.k, None)
+    return None
+
+
+def _join_full_tiles(tiles: list[Tile]) -> list[Tile]:
+    # Zig-zag's off-diagonal blocks are two full tiles that share a run: one call each.
+    joined = True
+    while joined:
+        joined = False
+        for i, j in itertools.permutations(range(len(tiles)), 2):
+            tile = _joined(tiles[i], tiles[j])
+            if tile is not None:
+                tiles = [t for n, t in enumerate(tiles) if n not in (i, j)] + [tile]
+                joined = True
+                break
+    return tiles
+
+
 def ring_tiles(context, rank: int, device: torch.device) -> list[list[Tile]]:
     """This rank's queries against every rank's keys, as tiles between runs of consecutive
     positions: causal by global position, within each packed document, never onto padding.
-    A tile nothing sees is left out (zig-zag's saving), one everything sees has no mask."""
+    A tile nothing sees is left out (zig-zag's saving), one everything sees has no mask,
+    and full tiles side by side are one."""
     positions = [p.to(device) for p in context.ring_positions]
     mine = positions[rank]
     blocks = []
     for theirs in positions:
         tiles = (_tile(q_run, k_run, mine, theirs, context, device) for q_run in _runs(mine) for k_run in _runs(theirs))
-        blocks.append([tile for tile in tiles if tile is not None])
+        blocks.append(_join_full_tiles([tile for tile in tiles if tile is not None]))
     return blocks
 
 
