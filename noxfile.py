@@ -18,7 +18,8 @@ FEATURE_PACKAGES = {
     "quant": "turbo-quant",
 }
 ALL_PACKAGES = ("turbo-core", "turbo-distributed", "turbo-memory", "turbo-quant", "fsdp-turbo")
-PYTEST = ("pytest", "-n", "2", "--timeout", "900")
+# loadgroup: a module marked xdist_group runs on one worker (its module fixtures are built once)
+PYTEST = ("pytest", "-n", "2", "--dist", "loadgroup", "--timeout", "900")
 
 nox.options.sessions = ["lint", "build", "core", *FEATURE_PACKAGES, "quant_triton", "integration"]
 nox.options.reuse_existing_virtualenvs = False

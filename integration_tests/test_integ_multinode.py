@@ -24,7 +24,7 @@ import yaml
 from test_integ_cli import TIMING, assert_same_weights, metrics, weights
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("multinode")]
 
 ROOT = Path(__file__).resolve().parent.parent
 NPROC = 2  # per node
