@@ -21,7 +21,7 @@ ALL_PACKAGES = ("turbo-core", "turbo-distributed", "turbo-memory", "turbo-quant"
 # loadgroup: a module marked xdist_group runs on one worker (its module fixtures are built once)
 PYTEST = ("pytest", "-n", "2", "--dist", "loadgroup", "--timeout", "900")
 
-nox.options.sessions = ["lint", "build", "core", *FEATURE_PACKAGES, "quant_triton", "integration"]
+nox.options.sessions = ["lint", "build", "core", *FEATURE_PACKAGES, "quant_triton", "integration", "peers"]
 nox.options.reuse_existing_virtualenvs = False
 
 
@@ -88,6 +88,15 @@ def integration(session: nox.Session) -> None:
     """Every package together: integration_tests/ (multi-package, torchrun)."""
     _install(session, *(_package(n) for n in ALL_PACKAGES), _package("turbo-core", "[test]"))
     session.run(*PYTEST, "integration_tests", *session.posargs)
+
+
+@nox.session
+def peers(session: nox.Session) -> None:
+    """Models nobody here wrote: torchtitan's (0.2.2, a test-only dependency: the last release
+    that trains on CPU) through FSDPTurbo, against the same model in one process. torchtitan
+    imports triton at load time, even on CPU."""
+    _install(session, *(_package(n) for n in ALL_PACKAGES), _package("turbo-core", "[test]"), "torchtitan", "triton")
+    session.run(*PYTEST, "peer_tests", *session.posargs)
 
 
 @nox.session
