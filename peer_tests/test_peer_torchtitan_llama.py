@@ -3,7 +3,7 @@ only, against the same model trained in one process: float32, 4 AdamW steps, eac
 loss rtol 1e-5, the first step's gradients rtol 1e-4 / atol 1e-6."""
 
 import pytest
-from titan_jobs import TITAN_BLOCKS, TITAN_TP, reference_run, turbo_run
+from titan_jobs import TITAN_BLOCKS, TITAN_SP, TITAN_TP, reference_run, turbo_run
 
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 
@@ -15,6 +15,11 @@ LAYOUTS = {
     "fsdp4": {**FSDP, "fully_shard_parallel_size": 4},
     "hsdp 2x2": {**FSDP, "data_parallel_size": 2, "fully_shard_parallel_size": 2},
     "fsdp2 x tp2": {**FSDP, "fully_shard_parallel_size": 2, "tensor_parallel_size": 2, "tp_plan": TITAN_TP},
+    "fsdp2 x tp2, sequence parallel": {**FSDP, "fully_shard_parallel_size": 2, "tensor_parallel_size": 2,
+                                       "tp_plan": TITAN_SP},
+    "fsdp2 x tp2, sequence and loss parallel": {
+        **FSDP, "fully_shard_parallel_size": 2, "tensor_parallel_size": 2,
+        "tp_plan": {**TITAN_SP, "colwise_parallel": [*TITAN_SP["colwise_parallel"], "output"], "loss_parallel": True}},
     "fsdp4 + full recompute": {**FSDP, "fully_shard_parallel_size": 4, "recompute": True,
                                "recompute_plan": TITAN_BLOCKS},
     "fsdp4 + selective recompute": {**FSDP, "fully_shard_parallel_size": 4, "recompute": True,

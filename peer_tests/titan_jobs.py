@@ -23,6 +23,10 @@ TITAN_TP = {"colwise_parallel": ["layers.*.attention.wq", "layers.*.attention.wk
                                  "layers.*.feed_forward.w1", "layers.*.feed_forward.w3"],
             "rowwise_parallel": ["layers.*.attention.wo", "layers.*.feed_forward.w2"]}
 TITAN_BLOCKS = ["layers.*"]
+# Sequence parallel between the TP regions: the norms, and the head named (torchtitan's
+# model has no get_output_embeddings()).
+TITAN_SP = {**TITAN_TP, "sequence_parallel": ["layers.*.attention_norm", "layers.*.ffn_norm", "norm"],
+            "head_module": "output"}
 
 
 def titan_llama(seed: int = 0) -> nn.Module:
@@ -36,8 +40,17 @@ def titan_llama(seed: int = 0) -> nn.Module:
 
 
 def logits_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """torchtitan's models return logits; the loop computes the loss (next-token CE)."""
+    """torchtitan's models return logits; the loop computes the loss (next-token CE). Under
+    loss parallel the logits are vocab-sharded, and the loop calls FSDPTurbo's
+    ``vocab_parallel_cross_entropy`` instead of ``F.cross_entropy`` (as torchtitan's own loop
+    enters ``loss_parallel()``)."""
+    from torch.distributed.tensor import DTensor
+
     logits = model(batch)
+    if isinstance(logits, DTensor):
+        from fsdp_turbo.distributed.tensor_parallel import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(logits[:, :-1], batch[:, 1:])
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
 
 

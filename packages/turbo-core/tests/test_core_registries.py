@@ -145,6 +145,14 @@ def test_repeated_blocks_fallback_for_plain_models():
     assert list(repeated_blocks(Net())) == ["blocks.0", "blocks.1", "blocks.2"]
     assert repeated_blocks(nn.Linear(2, 2)) == {}
 
+    class Keyed(nn.Module):  # torchtitan keeps its layers in a ModuleDict (for pipeline stages)
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({str(i): nn.Linear(8, 8) for i in range(3)})
+            self.mixed = nn.ModuleDict({"a": nn.Linear(9, 9), "b": nn.ReLU()})
+
+    assert list(repeated_blocks(Keyed())) == ["layers.0", "layers.1", "layers.2"]
+
 
 class _Needs(_Named):
     def __init__(self, name, stage, requires=()):

@@ -30,6 +30,9 @@ CASES = {
                                               "cp_plan.attention_function"),
     "cp_attention_function_not_a_path": ({"context_parallel_size": 2, "cp_plan": {"attention_function": "sdpa"}},
                                          "cp_plan.attention_function"),
+    "tp_head_module_not_a_module": ({"tensor_parallel_size": 2, "tp_plan": {
+        "colwise_parallel": ["*.q_proj"], "sequence_parallel": ["*layernorm"], "head_module": "output"}},
+        "tp_plan.head_module"),
     "cp_unknown_mode": ({"context_parallel_size": 2, "cp_plan": {"mode": "spiral"}}, "cp_plan.mode"),
     "cp_hybrid_ulysses_size_not_a_divisor": ({"context_parallel_size": 4,
                                               "cp_plan": {"mode": "hybrid", "ulysses_size": 3}},

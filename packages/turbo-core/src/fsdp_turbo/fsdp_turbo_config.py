@@ -108,7 +108,10 @@ class FSDPPlanConfig(ConfigSection):
 
 @dataclass(frozen=True)
 class TPPlanConfig(ConfigSection):
-    """Tensor-parallel plan: Linear (and Embedding) modules picked by pattern."""
+    """Tensor-parallel plan: Linear (and Embedding) modules picked by pattern.
+    ``head_module``: the output head's name where HF's ``get_output_embeddings()`` does not
+    find it (e.g. torchtitan's ``output``); sequence parallel gathers before it, and loss
+    parallel shards it on the vocabulary."""
 
     _prefix: ClassVar[str] = "tp_plan"
 
@@ -116,11 +119,14 @@ class TPPlanConfig(ConfigSection):
     rowwise_parallel: tuple[str, ...] = ()
     sequence_parallel: tuple[str, ...] = ()
     loss_parallel: bool = False
+    head_module: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("colwise_parallel", "rowwise_parallel", "sequence_parallel"):
             _set(self, name, check_patterns(getattr(self, name), f"tp_plan.{name}"))
         check_bool(self.loss_parallel, "tp_plan.loss_parallel")
+        if self.head_module is not None and (not isinstance(self.head_module, str) or not self.head_module):
+            raise ConfigError("tp_plan.head_module", self.head_module, "name the output head module, e.g. 'output'")
         both = sorted(set(self.colwise_parallel) & set(self.rowwise_parallel))
         if both:
             raise ConfigError("tp_plan.rowwise_parallel", both[0], "list a pattern in one of colwise/rowwise only",

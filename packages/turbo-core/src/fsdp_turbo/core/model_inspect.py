@@ -18,7 +18,8 @@ def repeated_blocks(model: nn.Module) -> dict[str, nn.Module]:
     """The model's repeated blocks (e.g. decoder layers), by qualified name, in order.
 
     Hugging Face models name their block classes in ``_no_split_modules``; other
-    models fall back to the children of their largest ``nn.ModuleList`` whose
+    models fall back to the children of their largest ``nn.ModuleList`` or
+    ``nn.ModuleDict`` (torchtitan's ``layers``, keyed for pipeline stages) whose
     entries share one class.
     """
     block_classes = set(getattr(model, "_no_split_modules", None) or ())
@@ -27,16 +28,17 @@ def repeated_blocks(model: nn.Module) -> dict[str, nn.Module]:
         outer = {n: m for n, m in named.items() if not any(n.startswith(p + ".") for p in named)}
         if outer:
             return outer
-    best: tuple[int, str, nn.ModuleList] | None = None
+    best: tuple[int, str, nn.Module] | None = None
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
+        if isinstance(module, nn.ModuleList | nn.ModuleDict) and len(module) and len(
+                {type(m) for m in module.children()}) == 1:
             size = sum(p.numel() for p in module.parameters())
             if best is None or size > best[0]:
                 best = (size, name, module)
     if best is None:
         return {}
     _, prefix, blocks = best
-    return {f"{prefix}.{i}" if prefix else str(i): block for i, block in enumerate(blocks)}
+    return {f"{prefix}.{key}" if prefix else key: block for key, block in blocks.named_children()}
 
 
 def model_config_value(model: nn.Module, *names: str) -> Any:

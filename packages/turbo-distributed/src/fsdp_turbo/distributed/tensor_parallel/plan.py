@@ -238,7 +238,7 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
     head_local = [name for name, module in model.named_modules()
                   if name and keep(name, module) and name not in planned and _parent(name) in hook_parents
                   and _own_params(module) and not _children_own_params(module)]
-    head_name = _output_head(model)
+    head_name = _output_head(model, plan)
     styles: dict[str, StyleChoice] = {}
     for name in hook_parents:
         styles[name] = StyleChoice(StyleKind.PREPARE_INPUT, sequence_sharded=sp)
@@ -257,7 +257,8 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
         styles[next(iter(blocks))] = StyleChoice(StyleKind.SCATTER_SEQUENCE)
         if head_name is None:
             raise ConfigError("tp_plan.sequence_parallel", list(plan.sequence_parallel),
-                              "sequence parallel needs an output head (get_output_embeddings()) to gather before")
+                              "name the output head in tp_plan.head_module (sequence parallel gathers before it)",
+                              reason="the model has no get_output_embeddings() to find it by")
         if head_name not in colwise:
             styles[head_name] = StyleChoice(StyleKind.GATHER_REPLICATE)
     # Inside the sequence region, a leftover module not behind a prepared (gathered) input
@@ -281,7 +282,7 @@ def _colwise_choice(module: nn.Module, *, sequence_input: bool, vocab_shards: bo
 def _loss_head(model: nn.Module, plan: TPPlanConfig, colwise: dict[str, nn.Module]) -> str | None:
     if not plan.loss_parallel:
         return None
-    head = _output_head(model)
+    head = _output_head(model, plan)
     if head is None or head not in colwise:
         raise ConfigError("tp_plan.loss_parallel", True,
                           f"add the output head ({head or 'e.g. lm_head'!r}) to tp_plan.colwise_parallel",
@@ -289,7 +290,14 @@ def _loss_head(model: nn.Module, plan: TPPlanConfig, colwise: dict[str, nn.Modul
     return head
 
 
-def _output_head(model: nn.Module) -> str | None:
+def _output_head(model: nn.Module, plan: TPPlanConfig) -> str | None:
+    if plan.head_module is not None:  # a model without HF's get_output_embeddings()
+        try:
+            model.get_submodule(plan.head_module)
+        except AttributeError:
+            raise ConfigError("tp_plan.head_module", plan.head_module, "name the output head module, e.g. 'output'",
+                              reason="no such module") from None
+        return plan.head_module
     found = output_head(model)
     return found[0] if found else None
 
