@@ -11,13 +11,12 @@ _seen: set[str] = set()
 
 
 def _rank() -> int:
-    try:
-        import torch.distributed as dist
+    # torch.distributed imports in every build (is_available() says whether it works), and a
+    # destroyed group reads as not initialised: before a group, and after it, $RANK.
+    import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except (ImportError, RuntimeError):  # a build without torch.distributed, or a group torn down: use $RANK
-        pass
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
 
 

@@ -70,8 +70,18 @@ def tied_parameter_groups(model: nn.Module) -> list[tuple[tuple[str, str], ...]]
     return [tuple(places) for places in owners.values() if len(places) > 1]
 
 
-def output_head(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """(name, module) of the model's output head (HF ``get_output_embeddings()``), or ``None``."""
+def output_head(model: nn.Module, name: str | None = None, *, field: str = "head_module"
+                ) -> tuple[str, nn.Module] | None:
+    """(name, module) of the model's output head: the module called ``name`` when one is
+    given (a ``ConfigError`` on ``field`` if there is none; for models HF's API does not
+    describe, e.g. torchtitan's ``output``), else HF's ``get_output_embeddings()``, else
+    ``None``."""
+    if name is not None:
+        try:
+            return name, model.get_submodule(name)
+        except AttributeError:
+            raise ConfigError(field, name, "name the output head module, e.g. 'lm_head' or 'output'",
+                              reason="no such module") from None
     getter = getattr(model, "get_output_embeddings", None)
     head = getter() if callable(getter) else None
     if head is None:

@@ -291,14 +291,7 @@ def _loss_head(model: nn.Module, plan: TPPlanConfig, colwise: dict[str, nn.Modul
 
 
 def _output_head(model: nn.Module, plan: TPPlanConfig) -> str | None:
-    if plan.head_module is not None:  # a model without HF's get_output_embeddings()
-        try:
-            model.get_submodule(plan.head_module)
-        except AttributeError:
-            raise ConfigError("tp_plan.head_module", plan.head_module, "name the output head module, e.g. 'output'",
-                              reason="no such module") from None
-        return plan.head_module
-    found = output_head(model)
+    found = output_head(model, plan.head_module, field="tp_plan.head_module")
     return found[0] if found else None
 
 

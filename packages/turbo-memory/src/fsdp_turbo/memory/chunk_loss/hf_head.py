@@ -41,23 +41,15 @@ class _Request:
 def resolve_head(model: nn.Module, head_module: str | None, *, field: str = "chunk_loss_plan.head_module"
                  ) -> tuple[str, nn.Module]:
     """The output head by name, else the model's output embedding. Raises ConfigError."""
-    if head_module is not None:
-        try:
-            head = model.get_submodule(head_module)
-        except AttributeError:
-            raise ConfigError(field, head_module, "name the output head module, e.g. 'lm_head'",
-                              reason="no such module") from None
-    else:
-        found = output_head(model)
-        if found is None:
-            raise ConfigError(field, None, "set chunk_loss_plan.head_module='lm_head' (your output head)",
-                              reason="the model has no output embedding to default to")
-        head = found[1]
+    found = output_head(model, head_module, field=field)
+    if found is None:
+        raise ConfigError(field, None, "set chunk_loss_plan.head_module='lm_head' (your output head)",
+                          reason="the model has no output embedding to default to")
+    name, head = found
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ConfigError(field, head_module or type(head).__name__, "point it at a Linear-like head",
                           reason="the head has no 2-D [vocab, hidden] weight")
-    name = next(n for n, m in model.named_modules() if m is head)
     return name, head
 
 
