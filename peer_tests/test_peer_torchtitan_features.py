@@ -13,7 +13,7 @@ Tolerances, unless a test states otherwise: loss rtol 1e-5, gradients rtol 1e-4 
 import pytest
 import torch
 from titan_feature_jobs import MX_PLAN, TITAN_LINEARS, layouts_run, references
-from titan_jobs import TITAN_BLOCKS, TITAN_SP
+from titan_jobs import TITAN_BLOCKS, TITAN_SP, titan_llama
 
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 from fsdp_turbo.core.testing.parity import sqnr_db
@@ -94,6 +94,14 @@ def test_mxfp8_matches_the_emulated_mx_model(runs, reference):
     FP8 step, which the bounds leave room for. Stated: first loss rtol 1e-5, every loss rtol
     1e-4, every first-step gradient at least 60 dB SQNR. MX is really in use: the fp32 model
     is more than rtol 1e-5 away."""
+    from fsdp_turbo.fsdp_turbo_config import QuantizeConfig
+    from fsdp_turbo.quantization.converter import plan_conversion
+
+    # The default plan picks the same modules once the head is named (torchtitan's has no
+    # get_output_embeddings()).
+    by_default, _ = plan_conversion(titan_llama(), QuantizeConfig(head_module="output"))
+    assert {c.name for c in by_default} == {n for n, k in _each(runs, "fsdp4 + mxfp8")[0][1]["modules"].items()
+                                           if k == "MXLinear"}
     mx, fp32 = reference["mx"], reference["fp32"]
     assert max(abs(a - b) / abs(b) for a, b in zip(mx.losses, fp32.losses, strict=True)) > 1e-5
     for record, facts in _each(runs, "fsdp4 + mxfp8"):

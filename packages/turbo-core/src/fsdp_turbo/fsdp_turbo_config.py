@@ -214,7 +214,9 @@ class ChunkLossPlanConfig(ConfigSection):
 
 @dataclass(frozen=True)
 class QuantizeConfig(ConfigSection):
-    """MX block quantization for training, applied by converters picked by pattern."""
+    """MX block quantization for training, applied by converters picked by pattern.
+    ``head_module``: the output head's name where HF's ``get_output_embeddings()`` does not
+    find it (e.g. torchtitan's ``output``), so the default plan leaves it in high precision."""
 
     _prefix: ClassVar[str] = "quantization_plan"
 
@@ -225,9 +227,12 @@ class QuantizeConfig(ConfigSection):
     ignored_modules: tuple[str, ...] = ()
     converters: tuple[str, ...] | None = None
     emax_elem: int | None = None
+    head_module: str | None = None
 
     def __post_init__(self) -> None:
         p = self._prefix
+        if self.head_module is not None and (not isinstance(self.head_module, str) or not self.head_module):
+            raise ConfigError(f"{p}.head_module", self.head_module, "name the output head module, e.g. 'output'")
         _set(self, "quant_format", check_choice(self.quant_format, f"{p}.quant_format", QUANT_FORMATS, upper=True))
         check_int(self.block_size, f"{p}.block_size", minimum=1)
         _set(self, "scale_mode", check_choice(self.scale_mode, f"{p}.scale_mode", SCALE_MODES))

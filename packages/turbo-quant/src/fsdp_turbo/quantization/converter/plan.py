@@ -37,10 +37,11 @@ def _converters(names: tuple[str, ...] | None) -> list[Converter]:
     return chosen
 
 
-def _default_exclusions(model: nn.Module) -> dict[str, str]:
-    """Modules left high precision unless asked for: the output head and MoE routers."""
+def _default_exclusions(model: nn.Module, head_module: str | None) -> dict[str, str]:
+    """Modules left high precision unless asked for: the output head (``head_module``, else
+    HF's ``get_output_embeddings()``) and MoE routers."""
     excluded: dict[str, str] = {}
-    head = output_head(model)
+    head = output_head(model, head_module, field=f"{FIELD}.head_module")
     if head is not None:
         excluded[head[0]] = "it is the output head (its error lands directly on the loss)"
     for name, _ in model.named_modules():
@@ -54,8 +55,9 @@ def plan_conversion(model: nn.Module, plan, *, unsuitable: Mapping[str, str] | N
                     ) -> tuple[list[Conversion], list[tuple[str, str]]]:
     """Resolve ``plan`` (a ``QuantizeConfig``) on ``model``.
 
-    Default (no ``apply_modules``): every module a converter handles, except the output head,
-    routers, ``ignored_modules`` and modules whose dims do not divide the block (skipped).
+    Default (no ``apply_modules``): every module a converter handles, except the output head
+    (``head_module`` names it where HF's API does not), routers, ``ignored_modules`` and
+    modules whose dims do not divide the block (skipped).
     With ``apply_modules``: the convertible modules at or under each match; a head, a router
     or an unsupported module among them is a ConfigError (exclude it with ``ignored_modules``).
     ``unsuitable`` adds modules the caller knows cannot convert (name -> why), treated alike.
@@ -69,7 +71,7 @@ def plan_conversion(model: nn.Module, plan, *, unsuitable: Mapping[str, str] | N
                if plan.ignored_modules else [])
     picked = (list(match_modules(model, plan.apply_modules, field=f"{FIELD}.apply_modules"))
               if plan.apply_modules is not None else None)
-    excluded = {**_default_exclusions(model), **(unsuitable or {})}
+    excluded = {**_default_exclusions(model, plan.head_module), **(unsuitable or {})}
     conversions, skipped = [], []
     for name, module in model.named_modules():
         converter = next((c for c in converters if c.handles(module)), None)
