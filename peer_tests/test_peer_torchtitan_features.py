@@ -4,8 +4,9 @@ features, patterns and configuration only, against one process: float32 master w
 
 One 4-rank launch trains every 4-rank layout in turn (each from the same seed, each
 asserted on its own below), one process makes every reference, and the 8-rank row has its
-own launch: three starts for the file (measured: about 20 s for the 4-rank launch with a
-warm inductor cache, 55 s cold; 35 s for the 8-rank one, on 2 busy cores).
+own launch: three starts for the file. Measured on 2 shared cores: the reference process
+and the 4-rank launch 36 s with a warm inductor cache, 50 s cold (compile is most of the
+difference); the 8-rank launch 25-42 s; the file 70-90 s.
 
 Tolerances, unless a test states otherwise: loss rtol 1e-5, gradients rtol 1e-4 / atol 1e-6.
 """
