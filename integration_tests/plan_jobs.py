@@ -19,7 +19,7 @@ from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 RESOLVERS = frozenset({
     "match_modules", "repeated_blocks", "select_blocks", "output_head", "attention_heads", "fused_experts_form",
     "resolve_tp_plan", "resolve_ep_plan", "expert_adapter", "resolve_cp_target", "select_units",
-    "plan_fully_shard", "plan_chunked_loss", "resolve_head", "check_causal_lm", "plan_conversion",
+    "plan_fully_shard", "plan_chunked_loss", "resolve_head", "is_hf_causal_lm", "plan_conversion",
     "tensor_parallel_unsuitable", "save_ops_for", "resolve_save_ops", "context_fn_for", "check_backend",
 })
 BATCHES = make_token_batches(vocab_size=256, global_batch=8, seq_len=16, steps=2)

@@ -101,6 +101,8 @@ BAD_FIELDS = [
     (dict(ep_plan={"dispatcher": "allgather"}), "ep_plan.dispatcher"),
     (dict(ep_plan={"num_chunks": 0}), "ep_plan.num_chunks"),
     (dict(cp_plan={"attention_function": "noattr"}), "cp_plan.attention_function"),
+    (dict(cp_plan={"attention_function": "a.b", "attention_modules": ["*.attn"]}), "cp_plan.attention_modules"),
+    (dict(cp_plan={"position_input": ""}), "cp_plan.position_input"),
     (dict(recompute=True, recompute_policy="some"), "recompute_policy"),
     (dict(chunk_loss_plan={"chunk_size": 0}), "chunk_loss_plan.chunk_size"),
     (dict(chunk_loss_plan={"logit_softcap": 0.0}), "chunk_loss_plan.logit_softcap"),

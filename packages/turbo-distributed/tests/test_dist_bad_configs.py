@@ -39,8 +39,10 @@ CASES = {
                                              "cp_plan.ulysses_size"),
     "cp_hybrid_without_ulysses_size": ({"context_parallel_size": 4, "cp_plan": {"mode": "hybrid"}},
                                        "cp_plan.ulysses_size"),
-    "cp_ring_with_attention_function": ({"context_parallel_size": 2, "cp_plan": {
-        "mode": "ring", "attention_function": "cp_jobs.core_attention"}}, "cp_plan.attention_function"),
+    "cp_attention_modules_match_nothing": ({"context_parallel_size": 2, "cp_plan": {
+        "attention_modules": ["layers.*.inner_attention"]}}, "cp_plan.attention_modules"),
+    "cp_token_input_not_a_name": ({"context_parallel_size": 2, "cp_plan": {"token_input": "tokens[0]"}},
+                                  "cp_plan.token_input"),
     "ep_does_not_divide_world": ({"expert_parallel_size": 3, "ep_plan": {}}, "expert_parallel_size"),
     "unknown_dispatcher": ({"expert_parallel_size": 2, "ep_plan": {"dispatcher": "allgather"}},
                            "ep_plan.dispatcher"),

@@ -80,9 +80,11 @@ def test_attention_all_to_all_is_the_only_cp_communication():
                            "c10d::_reduce_scatter_base_", "c10d::reduce_scatter_tensor_coalesced"}, counts
 
 
-def test_non_hf_model_by_attention_function_path():
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_non_hf_model_by_attention_function_path(mode):
+    """Ulysses runs the named function on head shards; the ring stands in for it (causal SDPA)."""
     expected = run_reference(tiny_lm_reference, BATCHES, timeout=300)
-    config = {"context_parallel_size": 2, "cp_plan": {"attention_function": "cp_jobs.core_attention"}}
+    config = {"context_parallel_size": 2, "cp_plan": {"attention_function": "cp_jobs.core_attention", "mode": mode}}
     for record in run_distributed(tiny_lm_cp_run, 2, BATCHES, config, timeout=300):
         assert_parity(expected, record, **TOL)
 

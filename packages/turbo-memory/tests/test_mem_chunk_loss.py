@@ -193,7 +193,7 @@ def _reference_from_logits(logits, labels, z):
 def test_config_errors():
     with pytest.raises(ConfigError, match="head_module"):
         FSDPTurbo(FSDPTurboConfig(chunk_loss=True, chunk_loss_plan={"head_module": "nope"}), tiny_hf_causal_lm())
-    with pytest.raises(ConfigError, match="not an HF causal LM"):
+    with pytest.raises(ConfigError, match="no output embedding"):  # not HF: the head must be named
         FSDPTurbo(FSDPTurboConfig(chunk_loss=True), torch.nn.Sequential(torch.nn.Linear(4, 4)))
     with pytest.raises(ConfigError, match="2-D"):
         FSDPTurbo(FSDPTurboConfig(chunk_loss=True, chunk_loss_plan={"head_module": "model.norm"}),
@@ -216,3 +216,36 @@ def test_peak_memory_at_vocab_32768_is_under_half():
     install_chunked_loss(model, chunk_size=64)
     chunked = _peak_bytes(model, ids)
     assert chunked < 0.5 * plain, (chunked, plain)
+
+
+class _LogitsLM(torch.nn.Module):
+    """A model that returns logits and has no HF head API (as torchtitan's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.output = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32, bias=False)
+
+    def forward(self, tokens):
+        return self.output(self.embed(tokens))
+
+
+def test_a_model_that_returns_logits_gets_its_chunked_loss_through_lm_loss(caplog):
+    from fsdp_turbo.fsdp_turbo import lm_loss
+
+    tokens = torch.randint(0, 32, (2, 10), generator=torch.Generator().manual_seed(2))
+    labels = F.pad(tokens[:, 1:], (0, 1), value=-100)
+    expected_model = _LogitsLM()
+    expected = F.cross_entropy(expected_model(tokens).flatten(0, 1), labels.flatten())
+    expected.backward()
+    model = _LogitsLM()
+    install_chunked_loss(model, head_module="output", chunk_size=6)
+    loss = lm_loss(model, labels, tokens)
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, dict(expected_model.named_parameters())[name].grad,
+                                   rtol=1e-5, atol=1e-7)
+    with caplog.at_level("WARNING"):  # a plain call still gets its logits, with one warning
+        assert model(tokens).shape == (2, 10, 32)
+    assert "lm_loss" in caplog.text

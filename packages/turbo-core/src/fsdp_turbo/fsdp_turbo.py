@@ -23,6 +23,7 @@ from fsdp_turbo.core.blueprint import guard_meta_model, has_meta_tensors, record
 from fsdp_turbo.core.device import detect_device_type, init_process_group
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.features import Feature, ignored_fields, requested_features
+from fsdp_turbo.core.lm_loss import lm_loss
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.model_inspect import attention_heads
 from fsdp_turbo.core.parallel_state import ParallelSizes, ParallelState
@@ -30,7 +31,7 @@ from fsdp_turbo.core.plugin import FeaturePlan, Transform, TransformRegistry, pl
 from fsdp_turbo.core.topology import launch_warnings
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
-__all__ = ["FSDPTurbo", "Planned", "plan_transforms"]
+__all__ = ["FSDPTurbo", "Planned", "lm_loss", "plan_transforms"]
 
 M = TypeVar("M", bound=nn.Module)
 _log = get_logger(__name__)

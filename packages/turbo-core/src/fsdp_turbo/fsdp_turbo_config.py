@@ -159,20 +159,41 @@ class CPPlanConfig(ConfigSection):
     head count), ``ring`` (K/V chunks travel around all ``context_parallel_size`` ranks;
     any head count) or ``hybrid`` (Ulysses over ``ulysses_size`` ranks inside a ring).
     ``load_balance``: ring chunks in zig-zag order, so every rank does the same causal work.
-    ``attention_function`` is a dotted path for non-HF models (Ulysses only)."""
+
+    Non-HF models name their core attention, ``(q, k, v, **kwargs) -> out`` on
+    ``[B, heads, S, D]`` as ``F.scaled_dot_product_attention``: by ``attention_function``
+    (a dotted path to the function the model calls) or ``attention_modules`` (patterns
+    of the modules whose forward it is, such as torchtitan's ``layers.*.attention.inner_attention``).
+    Ulysses runs that attention on the whole sequence for a head shard; ring and hybrid
+    replace it by causal softmax attention (``scale`` and ``enable_gqa`` honoured; a mask,
+    dropout or ``is_causal=False`` is refused at the call). ``token_input`` names the
+    forward argument holding ``[B, S]`` tokens (or embeddings) that is split;
+    ``position_input`` the one that receives each rank's absolute positions ``[B, S/cp]``."""
 
     _prefix: ClassVar[str] = "cp_plan"
 
     attention_function: str | None = None
+    attention_modules: tuple[str, ...] | None = None
     mode: str = "ulysses"
     ulysses_size: int | None = None
     load_balance: bool = True
+    token_input: str = "input_ids"
+    position_input: str = "position_ids"
 
     def __post_init__(self) -> None:
         fn = self.attention_function
         if fn is not None and (not isinstance(fn, str) or "." not in fn):
             raise ConfigError("cp_plan.attention_function", fn,
                               "use a dotted path such as 'my_pkg.attn.core_attention'")
+        _set(self, "attention_modules", check_optional_patterns(self.attention_modules, "cp_plan.attention_modules"))
+        if fn is not None and self.attention_modules is not None:
+            raise ConfigError("cp_plan.attention_modules", list(self.attention_modules),
+                              "give attention_function or attention_modules, not both",
+                              reason=f"attention_function is {fn!r}")
+        for name in ("token_input", "position_input"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.isidentifier():
+                raise ConfigError(f"cp_plan.{name}", value, "name an argument of the model's forward, e.g. 'tokens'")
         _set(self, "mode", check_choice(self.mode, "cp_plan.mode", ("ulysses", "ring", "hybrid")))
         check_bool(self.load_balance, "cp_plan.load_balance")
         if self.ulysses_size is not None:
@@ -183,10 +204,6 @@ class CPPlanConfig(ConfigSection):
                               reason=f"mode is {self.mode!r}")
         if self.ulysses_size is not None and self.ulysses_size < 2:
             raise ConfigError("cp_plan.ulysses_size", self.ulysses_size, "use at least 2 (1 is mode 'ring')")
-        if self.mode != "ulysses" and fn is not None:
-            raise ConfigError("cp_plan.attention_function", fn, f"use an HF model's attention with mode "
-                              f"{self.mode!r}, or mode 'ulysses'",
-                              reason="ring attention computes attention itself, on HF attention calls")
 
 
 @dataclass(frozen=True)

@@ -10,16 +10,24 @@ batch each CP rank receives into that rank's sequence chunk.
    reads packed sequences), the wrapper masks attention to each document;
 4. ``num_items_in_batch`` is the number of valid labels of the whole sequence, so each rank's
    loss is its share of the full-sequence mean (summed over CP in ``loss``).
+
+Models that are not HF's name their arguments (``cp_plan.token_input`` / ``position_input``:
+torchtitan's ``tokens`` / ``positions``); positional calls are read by the forward's
+signature. A model that returns logits has its loss computed by ``core.lm_loss``, whose
+pending labels are cut here like the tokens.
 """
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.lm_loss import LossRequest, pending_loss_request
 from fsdp_turbo.distributed.context_parallel.context import CPState, ForwardContext
 from fsdp_turbo.distributed.context_parallel.ring_math import chunk_positions
 
@@ -57,30 +65,48 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
     return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
 
 
-def split_inputs(state: CPState, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The rank's chunk of a full-length HF forward call; records the forward's context."""
-    cp = state.size
-    tokens = kwargs.get("input_ids")
-    if tokens is None:
+@dataclass(frozen=True)
+class InputNames:
+    """The forward arguments context parallel reads by name (``cp_plan.token_input`` /
+    ``position_input``): HF's by default, torchtitan's ``tokens`` / ``positions``."""
+
+    tokens: str = "input_ids"
+    positions: str = "position_ids"
+
+
+def _sequence(kwargs: dict[str, Any], names: InputNames) -> torch.Tensor:
+    tokens = kwargs.get(names.tokens)
+    if tokens is None and names.tokens == "input_ids":
         tokens = kwargs.get("inputs_embeds")
     if tokens is None or tokens.dim() < 2:
-        raise ConfigError("input_ids", None, "call the model with input_ids=[batch, seq] (or inputs_embeds) as a "
-                          "keyword argument", reason="context parallel splits the sequence of those")
+        field = "input_ids" if names.tokens == "input_ids" else "cp_plan.token_input"
+        raise ConfigError(field, names.tokens, f"call the model with {names.tokens}=[batch, seq] (or set "
+                          "cp_plan.token_input to the argument that holds the tokens)",
+                          reason="context parallel splits the sequence of that argument")
+    return tokens
+
+
+def split_inputs(state: CPState, kwargs: dict[str, Any], names: InputNames = InputNames(),
+                 request: LossRequest | None = None) -> dict[str, Any]:
+    """The rank's chunk of a full-length forward call (keyword arguments); records the
+    forward's context. ``request``: an ``lm_loss`` call's, whose labels are cut the same way."""
+    cp = state.size
+    tokens = _sequence(kwargs, names)
     batch, seq_len = tokens.shape[:2]
     full = padded_length(seq_len, cp, 2 * cp if state.mode != "ulysses" and state.load_balance else cp)
     extra = full - seq_len
     members = ring_positions(state, full)
     local = local_positions(state, members).to(tokens.device)
     out = dict(kwargs)
-    for name in ("input_ids", "inputs_embeds"):
+    for name in {names.tokens, "inputs_embeds"} if names.tokens == "input_ids" else {names.tokens}:
         if kwargs.get(name) is not None:
             out[name] = _pad(kwargs[name], extra, 0)[:, local]
-    positions = kwargs.get("position_ids")
+    positions = kwargs.get(names.positions)
     if positions is None:
         positions = torch.arange(seq_len, device=tokens.device).expand(batch, seq_len)
     # Padding continues the positions, so RoPE stays defined there.
     tail = positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)
-    out["position_ids"] = torch.cat([positions, tail], dim=1)[:, local] if extra else positions[:, local]
+    out[names.positions] = torch.cat([positions, tail], dim=1)[:, local] if extra else positions[:, local]
     labels, shifted = kwargs.get("labels"), kwargs.get("shift_labels")
     if labels is not None or shifted is not None:
         shifted = shift_labels(labels) if shifted is None else shifted
@@ -89,6 +115,8 @@ def split_inputs(state: CPState, kwargs: dict[str, Any]) -> dict[str, Any]:
             out["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum().clamp_min(1)  # all ignored: 0, not NaN
         out["shift_labels"] = shifted[:, local].contiguous()
         out["labels"] = out["shift_labels"]  # HF computes a loss only when labels are given
+    if request is not None:  # already aligned; its divisor counts the whole sequence's labels
+        request.labels = _pad(request.labels, extra, request.ignore_index)[:, local.to(request.labels.device)]
     mask = kwargs.get("attention_mask")
     padding = None
     if mask is not None:
@@ -98,7 +126,7 @@ def split_inputs(state: CPState, kwargs: dict[str, Any]) -> dict[str, Any]:
         padding = _pad(mask.bool(), extra, False)
         padding = None if bool(padding[:, :seq_len].all()) else padding
         out["attention_mask"] = None  # the wrapper builds the full-sequence mask itself
-    state.current = ForwardContext(full, padding, packed_documents(kwargs.get("position_ids"), extra),
+    state.current = ForwardContext(full, padding, packed_documents(kwargs.get(names.positions), extra),
                                    ring_positions=members if state.mode != "ulysses" else None)
     return out
 
@@ -139,16 +167,32 @@ def _prove_the_wrapper_ran(state: CPState) -> None:
     state.proven = True
 
 
-def install_input_splitter(model: torch.nn.Module, state: CPState):
+def _by_name(signature: inspect.Signature, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by parameter name (``model(tokens)`` -> ``{"tokens": tokens}``)."""
+    bound = signature.bind_partial(*args, **kwargs).arguments
+    named: dict[str, Any] = {}
+    for name, value in bound.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise ConfigError("input_ids", "positional", "call the model with keyword arguments",
+                                  reason="context parallel reads its inputs by name, and these have none")
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[name] = value
+    return named
+
+
+def install_input_splitter(model: torch.nn.Module, state: CPState, names: InputNames = InputNames()):
     """Register the root's forward pre-hook (split the inputs) and, until the first forward
     has shown that every attention layer ran through the wrapper, a forward hook that checks."""
+    signature = inspect.signature(model.forward)
 
     def hook(module, args, kwargs):
-        if args:
-            raise ConfigError("input_ids", "positional", "call the model with keyword arguments "
-                              "(input_ids=..., labels=...)", reason="context parallel reads them by name")
+        kwargs = _by_name(signature, args, kwargs)
         _refuse_attention_weights(module, kwargs)
-        return args, split_inputs(state, kwargs)
+        return (), split_inputs(state, kwargs, names, pending_loss_request(module))
 
     def check(module, args, output):
         if not state.proven:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp_turbo.core.lm_loss import add_loss_reducer
+
 
 class _SumOverCP(torch.autograd.Function):
     @staticmethod
@@ -37,7 +39,9 @@ def install_loss_sum(model: torch.nn.Module, group: dist.ProcessGroup, size: int
     """A forward hook on the root: the output's ``loss`` (an HF ``ModelOutput``), or the output
     itself when the model returns a scalar loss, becomes the full-sequence loss. A hook on the
     output, not a wrapped ``loss_function``, so features that replace the loss function
-    (chunked loss, loss parallel) compose with it."""
+    (chunked loss, loss parallel) compose with it. A loss computed outside the model by
+    ``core.lm_loss`` is summed the same way, after it is computed."""
+    add_loss_reducer(model, lambda loss: sum_over_cp(loss, group, size))
 
     def hook(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         loss = getattr(output, "loss", None)

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.patterns import match_modules
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow
+from fsdp_turbo.distributed.context_parallel.inputs import InputNames
 from fsdp_turbo.fsdp_turbo_config import CPPlanConfig
 
 if TYPE_CHECKING:
@@ -23,15 +25,24 @@ HF_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3",
 
 @dataclass(frozen=True)
 class CPTarget:
-    """Either an HF model's attention implementation, or a core attention function by path."""
+    """An HF model's attention implementation, a core attention function by path, or the
+    modules whose forward is a core attention."""
 
     hf_implementation: str | None = None
     function_path: str | None = None
     # The function the path names, imported once when planning; equal paths make equal plans.
     function: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    module_names: tuple[str, ...] = ()
 
     def describe(self) -> str:
+        if self.module_names:
+            return f"{len(self.module_names)} attention modules ({self.module_names[0]}, ...)"
         return self.function_path or f"HF attention '{self.hf_implementation}'"
+
+    @property
+    def layers(self) -> int:
+        """How many attention calls a forward must make through the wrapper (0: unknown)."""
+        return len(self.module_names)
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,7 @@ class CPPlan(FeaturePlan):
     mode: str = "ulysses"
     load_balance: bool = True  # ring / hybrid: zig-zag chunks
     ulysses_size: int = 0  # hybrid: the Ulysses ranks inside each ring member
+    inputs: InputNames = field(default_factory=InputNames)  # the forward arguments split, and given positions
 
     def describe(self) -> tuple[PlanRow, ...]:
         chunks = "zig-zag chunks" if self.load_balance else "contiguous chunks"
@@ -94,6 +106,9 @@ def _check_ring_can_compute(config: Any, mode: str) -> None:
 
 def resolve_cp_target(model: nn.Module, plan: CPPlanConfig | None) -> CPTarget:
     """Raises ``ConfigError`` (the same on every rank); never communicates."""
+    if plan is not None and plan.attention_modules is not None:
+        found = match_modules(model, plan.attention_modules, field="cp_plan.attention_modules")
+        return CPTarget(module_names=tuple(found))
     if plan is not None and plan.attention_function is not None:
         return CPTarget(function_path=plan.attention_function, function=_import_attention(plan.attention_function))
     config = getattr(model, "config", None)

@@ -285,3 +285,30 @@ def ring_hf_attention(state) -> Any:
         return core(module, query, key, value, attention_mask, **kwargs)
 
     return attention
+
+
+def ring_sdpa(state, *, count_calls: bool = True) -> Any:
+    """The ring as a core attention of ``F.scaled_dot_product_attention``'s form,
+    ``(q, k, v, *, scale=None, is_causal=True, enable_gqa=False) -> [B, H, S, D]``, for
+    non-HF models (``cp_plan.attention_function`` / ``attention_modules``). It stands in
+    for causal softmax attention and nothing else: a mask, dropout or ``is_causal=False``
+    is refused, since the call it replaces is not run. ``count_calls``: False inside hybrid
+    (the Ulysses wrapper around it counts)."""
+    core = ring_core(state)
+
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = True,
+                  scale: float | None = None, enable_gqa: bool = False, **kwargs: Any) -> torch.Tensor:
+        unsupported = [name for name, given in (("positional arguments", args), ("attn_mask", attn_mask is not None),
+                                                ("dropout_p", dropout_p), ("is_causal=False", not is_causal),
+                                                *((name, True) for name in sorted(kwargs))) if given]
+        if unsupported:
+            raise ConfigError("cp_plan.mode", state.mode, "use mode 'ulysses' for this attention",
+                              reason=f"ring attention computes plain causal attention; the call also asked for "
+                                     f"{unsupported}")
+        if count_calls and state.current is not None:
+            state.current.attention_calls += 1
+        out, _ = core(None, query, key, value, None, scaling=scale)
+        return out.transpose(1, 2)
+
+    return attention

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import itertools
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -15,10 +17,10 @@ from fsdp_turbo.core.model_inspect import repeated_blocks
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Plans, Stage, Transform
 from fsdp_turbo.distributed.context_parallel.context import CPState
-from fsdp_turbo.distributed.context_parallel.inputs import install_input_splitter
+from fsdp_turbo.distributed.context_parallel.inputs import InputNames, install_input_splitter
 from fsdp_turbo.distributed.context_parallel.loss import install_loss_sum
 from fsdp_turbo.distributed.context_parallel.plan import CPPlan, CPTarget, resolve_cp_target
-from fsdp_turbo.distributed.context_parallel.ring import ring_core, ring_hf_attention
+from fsdp_turbo.distributed.context_parallel.ring import ring_core, ring_hf_attention, ring_sdpa
 from fsdp_turbo.distributed.context_parallel.ulysses import ulysses_core_attention, ulysses_hf_attention
 from fsdp_turbo.fsdp_turbo_config import CPPlanConfig, FSDPTurboConfig
 
@@ -37,10 +39,27 @@ def _install_hf(model: nn.Module, state: CPState, implementation: str) -> str:
     return name
 
 
+def _core_wrapper(state: CPState, inner: Callable[..., Any]) -> Callable[..., Any]:
+    """A non-HF core attention under CP: Ulysses runs ``inner``; ring and hybrid replace it."""
+    if state.mode == "ring":
+        return ring_sdpa(state)
+    if state.mode == "hybrid":
+        return ulysses_core_attention(state, ring_sdpa(state, count_calls=False))
+    return ulysses_core_attention(state, inner)
+
+
 def _install_function(target: CPTarget, state: CPState) -> str:
     module_name, _, attr = target.function_path.rpartition(".")
-    setattr(importlib.import_module(module_name), attr, ulysses_core_attention(state, target.function))
+    setattr(importlib.import_module(module_name), attr, _core_wrapper(state, target.function))
     return target.function_path
+
+
+def _install_modules(model: nn.Module, target: CPTarget, state: CPState) -> str:
+    # The instance's forward, not its class's: other instances of the class stay as they are.
+    for name in target.module_names:
+        module = model.get_submodule(name)
+        module.forward = _core_wrapper(state, module.forward)
+    return target.describe()
 
 
 def _hybrid_groups(cp_groups: list[list[int]], ulysses: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -72,9 +91,13 @@ def apply_cp_plan(model: nn.Module, plan: CPPlan, cp_mesh, cp_groups: list[list[
                  "ring_size": plan.size // plan.ulysses_size, "ring_rank": rank // plan.ulysses_size}
     state = CPState(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(),
                     attention_layers=plan.attention_layers, mode=plan.mode, load_balance=plan.load_balance, **extra)
-    where = _install_hf(model, state, target.hf_implementation) if target.hf_implementation else (
-        _install_function(target, state))
-    install_input_splitter(model, state)
+    if target.hf_implementation:
+        where = _install_hf(model, state, target.hf_implementation)
+    elif target.module_names:
+        where = _install_modules(model, target, state)
+    else:
+        where = _install_function(target, state)
+    install_input_splitter(model, state, plan.inputs)
     install_loss_sum(model, state.group, state.size)
     model.context_parallel_state = state
     how = {"ring": "a ring", "ulysses": "Ulysses",
@@ -84,21 +107,34 @@ def apply_cp_plan(model: nn.Module, plan: CPPlan, cp_mesh, cp_groups: list[list[
     return state
 
 
+def plan_context_parallel(model: nn.Module, plan: CPPlanConfig | None, size: int) -> CPPlan:
+    """What CP over ``size`` ranks would wrap; raises ``ConfigError``, never communicates."""
+    plan = plan or CPPlanConfig()
+    if plan.mode == "hybrid" and (size % plan.ulysses_size or plan.ulysses_size >= size):
+        raise ConfigError("cp_plan.ulysses_size", plan.ulysses_size,
+                          f"use a divisor of context_parallel_size={size} below it (2 .. {size // 2})",
+                          reason="hybrid runs Ulysses over ulysses_size ranks inside a ring of the rest")
+    target = resolve_cp_target(model, plan)
+    # Named attention modules each run once a forward; otherwise every repeated block
+    # (decoder layer) has one attention the wrapper must run in, a model without such
+    # blocks at least one.
+    layers = target.layers or len(repeated_blocks(model)) or 1
+    return CPPlan(size, target, layers, mode=plan.mode, load_balance=plan.load_balance,
+                  ulysses_size=plan.ulysses_size or 0,
+                  inputs=InputNames(plan.token_input, plan.position_input))
+
+
 def apply_context_parallel(model: nn.Module, plan: CPPlanConfig | None, cp_mesh) -> CPState:
     """Context parallel without the facade: resolve ``plan`` on ``model``, then install.
     Hybrid needs ``cp_mesh`` to span the world (its sub-groups are made from it)."""
-    layers = len(repeated_blocks(model)) or 1
-    mode = plan.mode if plan is not None else "ulysses"
+    resolved = plan_context_parallel(model, plan, cp_mesh.size())
     groups = None
-    if mode == "hybrid":
+    if resolved.mode == "hybrid":
         ranks = cp_mesh.mesh.flatten().tolist()
         if len(ranks) != dist.get_world_size():
             raise ConfigError("cp_plan.mode", "hybrid", "use FSDPTurbo for hybrid CP inside a larger mesh",
                               reason="apply_context_parallel makes hybrid sub-groups only of a world-wide CP mesh")
         groups = [ranks]
-    resolved = CPPlan(cp_mesh.size(), resolve_cp_target(model, plan), layers, mode=mode,
-                      load_balance=plan.load_balance if plan is not None else True,
-                      ulysses_size=(plan.ulysses_size or 0) if plan is not None else 0)
     return apply_cp_plan(model, resolved, cp_mesh, groups)
 
 
@@ -110,19 +146,7 @@ class ContextParallelTransform(Transform):
 
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
              upstream: Plans) -> CPPlan:
-        # Every repeated block (decoder layer) has one attention the wrapper must run in; a
-        # model without such blocks at least one.
-        cp_plan = config.cp_plan
-        size = parallel_state.cp_size
-        if cp_plan is not None and cp_plan.mode == "hybrid" and (size % cp_plan.ulysses_size
-                                                                 or cp_plan.ulysses_size >= size):
-            raise ConfigError("cp_plan.ulysses_size", cp_plan.ulysses_size,
-                              f"use a divisor of context_parallel_size={size} below it (2 .. {size // 2})",
-                              reason="hybrid runs Ulysses over ulysses_size ranks inside a ring of the rest")
-        return CPPlan(size, resolve_cp_target(model, cp_plan), len(repeated_blocks(model)) or 1,
-                      mode=cp_plan.mode if cp_plan else "ulysses",
-                      load_balance=cp_plan.load_balance if cp_plan else True,
-                      ulysses_size=(cp_plan.ulysses_size or 0) if cp_plan else 0)
+        return plan_context_parallel(model, config.cp_plan, parallel_state.cp_size)
 
     def apply(self, model: nn.Module, plan: CPPlan, parallel_state: ParallelState) -> nn.Module:
         groups = parallel_state.ranks_along("cp") if plan.mode == "hybrid" else None

@@ -100,7 +100,8 @@ def ulysses_hf_attention(state: CPState, inner: str, core: Callable[..., Any] | 
 def ulysses_core_attention(state: CPState, inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """For non-HF models: wrap ``inner(query, key, value, *args, **kwargs)`` working on
     ``[B, heads, S, D]`` and returning the same layout (as ``F.scaled_dot_product_attention``),
-    e.g. ``is_causal=True``. K/V heads must divide over CP (or be replicated by the caller)."""
+    e.g. ``is_causal=True``; K/V heads are replicated when fewer than the Ulysses ranks.
+    Hybrid: ``inner`` is the ring, over the ring member's part of the sequence."""
 
     def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any):
         if state.current is not None:
@@ -109,7 +110,7 @@ def ulysses_core_attention(state: CPState, inner: Callable[..., torch.Tensor]) -
                 raise ConfigError("position_ids", "packed documents", "use an HF attn_implementation for packed "
                                   "sequences under context parallel, or one document per row",
                                   reason="a cp_plan.attention_function gets no per-document mask")
-        cp, group = state.size, state.group
+        cp, group = state.ulysses_size, state.ulysses_group
         kv_heads = replicated_kv_heads(key.shape[1], cp)
         q = sequence_to_heads(query, group, cp)
         k = sequence_to_heads(replicate_kv(key, kv_heads), group, cp)

@@ -8,10 +8,11 @@ from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.lm_loss import set_logits_loss
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Plans, Stage, Transform
-from fsdp_turbo.distributed.tensor_parallel.loss import LossParallelLossFunction
+from fsdp_turbo.distributed.tensor_parallel.loss import LossParallelLossFunction, vocab_parallel_cross_entropy
 from fsdp_turbo.distributed.tensor_parallel.plan import StyleKind, TiedGroup, TPPlan, build_style, resolve_tp_plan
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
@@ -30,9 +31,12 @@ def apply_tp_plan(model: nn.Module, plan: TPPlan, tp_mesh) -> nn.Module:
     for name, choice in plan.styles:
         parallelize_module(model.get_submodule(name), tp_mesh, build_style(choice))
     _retie(model, plan.tied)
-    if plan.loss_head is not None and hasattr(model, "loss_function"):
-        # HF models compute the loss inside forward: make it run on the vocab shards.
-        model.loss_function = LossParallelLossFunction(model.loss_function)
+    if plan.loss_head is not None:
+        if hasattr(model, "loss_function"):
+            # HF models compute the loss inside forward: make it run on the vocab shards.
+            model.loss_function = LossParallelLossFunction(model.loss_function)
+        # models that return logits: core.lm_loss runs the vocab-sharded cross-entropy
+        set_logits_loss(model, vocab_parallel_cross_entropy)
     return model
 
 

@@ -4,6 +4,10 @@ returns the same loss, and the [tokens, vocab] logits are never built.
 The root's pre-hook records the labels; the head (called once, as a module, so FSDP's
 all-gather and reduce-scatter fire once per step) computes the chunked loss instead of
 logits; the model's ``loss_function`` hands that loss back; ``output.logits`` is None.
+
+A model that returns logits (not HF's) has no labels to record: its loop asks for the loss
+with ``core.lm_loss(model, labels, ...)``, the head answers that call's pending request, and
+the model returns an empty ``[..., 0]`` stand-in for the logits it did not build.
 """
 
 from __future__ import annotations
@@ -16,11 +20,14 @@ import torch
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.lm_loss import pending_loss_request
+from fsdp_turbo.core.logging import get_logger, warn_once
 from fsdp_turbo.core.model_inspect import output_head
 from fsdp_turbo.memory.chunk_loss.function import chunked_cross_entropy
 from fsdp_turbo.memory.chunk_loss.vocab_shard import empty_logits, local_head, local_hidden
 
 HANDLE_ATTR = "_fsdp_turbo_chunk_loss"
+_log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,7 @@ class ChunkLossSettings:
     ignore_index: int = -100
     z_loss_weight: float = 0.0
     logit_softcap: float | None = None
+    hf: bool = True  # an HF causal LM (labels in forward); else the loss comes through core.lm_loss
 
 
 @dataclass
@@ -53,10 +61,10 @@ def resolve_head(model: nn.Module, head_module: str | None, *, field: str = "chu
     return name, head
 
 
-def check_causal_lm(model: nn.Module) -> None:
-    if "labels" not in inspect.signature(model.forward).parameters or not hasattr(model, "loss_function"):
-        raise ConfigError("chunk_loss", True, "call fsdp_turbo.memory.chunked_cross_entropy in your own loss",
-                          reason=f"{type(model).__name__} is not an HF causal LM (no labels / loss_function)")
+def is_hf_causal_lm(model: nn.Module) -> bool:
+    """HF causal LMs take ``labels`` and compute their loss in forward; other models return
+    logits, and their loop asks for the loss with ``core.lm_loss``."""
+    return "labels" in inspect.signature(model.forward).parameters and hasattr(model, "loss_function")
 
 
 def _shifted(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -102,14 +110,16 @@ class ChunkedLossHandle:
         self._loss: torch.Tensor | None = None
         self._produced = False
         self._base_class = type(head)
-        self._inner_loss = model.loss_function
+        self._hf = settings.hf
+        self._warned = False
+        self._pending = None  # the lm_loss request the head is answering
         setattr(head, HANDLE_ATTR, self)
         head.__class__ = _HeadClassCache.chunking(type(head))
-        model.loss_function = _LossPassthrough(self._inner_loss, self)
-        self._hooks = [
-            model.register_forward_pre_hook(self._record_labels, with_kwargs=True),
-            model.register_forward_hook(self._finish, always_call=True),
-        ]
+        self._hooks = [model.register_forward_hook(self._finish, always_call=True)]
+        if self._hf:
+            self._inner_loss = model.loss_function
+            model.loss_function = _LossPassthrough(self._inner_loss, self)
+            self._hooks.append(model.register_forward_pre_hook(self._record_labels, with_kwargs=True))
 
     # ----- root hooks --------------------------------------------------------------------
     def _record_labels(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -131,8 +141,21 @@ class ChunkedLossHandle:
 
     # ----- head --------------------------------------------------------------------------
     def take_request(self) -> _Request | None:
-        request, self._request = self._request, None
-        return request
+        if self._hf:
+            request, self._request = self._request, None
+            return request
+        pending = pending_loss_request(self.model)
+        if pending is None or pending.loss is not None:
+            self._warn_full_logits()
+            return None
+        self._pending = pending
+        return _Request(None, pending.labels, pending.num_items)
+
+    def _warn_full_logits(self) -> None:
+        if not self._warned:
+            self._warned = True
+            warn_once(_log, f"chunk_loss: {type(self.model).__name__} returned its full logits: the chunked loss runs "
+                      "only when the loop asks for the loss with fsdp_turbo.fsdp_turbo.lm_loss(model, labels, ...)")
 
     def take_loss(self) -> torch.Tensor | None:
         loss, self._loss = self._loss, None
@@ -151,6 +174,8 @@ class ChunkedLossHandle:
             num_items=request.num_items, z_loss_weight=settings.z_loss_weight,
             logit_softcap=settings.logit_softcap, vocab_group=local.vocab_group, vocab_start=local.vocab_start)
         self._produced = True
+        if not self._hf:  # lm_loss takes it from its request
+            self._pending.loss, self._pending, self._loss = self._loss, None, None
         return empty_logits(hidden, hidden_local)
 
     def remove(self) -> None:
@@ -158,7 +183,8 @@ class ChunkedLossHandle:
             hook.remove()
         self.head.__class__ = self._base_class
         delattr(self.head, HANDLE_ATTR)
-        self.model.loss_function = self._inner_loss
+        if self._hf:
+            self.model.loss_function = self._inner_loss
 
 
 def plan_chunked_loss(model: nn.Module, *, head_module: str | None = None, chunk_size: int = 1024,
@@ -169,17 +195,17 @@ def plan_chunked_loss(model: nn.Module, *, head_module: str | None = None, chunk
     ``logit_softcap`` defaults to the model's ``final_logit_softcapping`` (Gemma), which
     the model would otherwise apply to the logits it no longer builds.
     """
-    check_causal_lm(model)
     name, head = resolve_head(model, head_module)
     if hasattr(head, HANDLE_ATTR):
         raise ConfigError("chunk_loss", True, "install chunked loss once", reason="the head already has it")
     if logit_softcap is None:
         logit_softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-    return name, ChunkLossSettings(chunk_size, ignore_index, z_loss_weight, logit_softcap)
+    return name, ChunkLossSettings(chunk_size, ignore_index, z_loss_weight, logit_softcap, is_hf_causal_lm(model))
 
 
 def install_chunked_loss(model: nn.Module, **options: Any) -> ChunkedLossHandle:
-    """Make ``model(..., labels=...)`` compute its loss chunk by chunk (HF causal LMs).
+    """Make ``model(..., labels=...)`` compute its loss chunk by chunk (HF causal LMs), or,
+    for a model that returns logits, ``core.lm_loss(model, labels, ...)``.
     ``options`` are :func:`plan_chunked_loss`'s."""
     head, settings = plan_chunked_loss(model, **options)
     return ChunkedLossHandle(model, model.get_submodule(head), settings)

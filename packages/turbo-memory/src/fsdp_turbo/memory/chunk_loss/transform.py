@@ -25,7 +25,8 @@ class ChunkLossPlan(FeaturePlan):
     settings: ChunkLossSettings
 
     def describe(self) -> tuple[PlanRow, ...]:
-        return (PlanRow("chunk_loss_plan.head_module", (self.head,)),)
+        how = "" if self.settings.hf else " (the loop's lm_loss)"
+        return (PlanRow("chunk_loss_plan.head_module", (self.head + how,)),)
 
     def estimate(self, memory: MemoryModel) -> None:
         memory.logit_chunk = self.settings.chunk_size
