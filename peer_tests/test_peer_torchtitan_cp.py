@@ -2,16 +2,16 @@
 attention modules and forward arguments, and under chunked loss by naming its head; its
 loss computed by ``lm_loss`` (the model returns logits), against the same model trained in one process with a plain
 cross-entropy: float32, 4 AdamW steps, losses rtol 1e-5, first-step gradients rtol 1e-4 /
-atol 1e-6."""
+atol 1e-6. One 4-rank launch trains every layout in turn, each asserted on its own."""
 
 import pytest
-from titan_jobs import TITAN_BLOCKS, TITAN_SP, VOCAB, reference_run
+from titan_jobs import TITAN_BLOCKS, TITAN_SP, VOCAB, each_layout, reference_run
 from titan_loss_jobs import TITAN_CP, turbo_lm_loss_run
 
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 
 pytest.importorskip("torchtitan")
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("torchtitan_cp")]
 
 FSDP = {"fsdp_plan": {"apply_modules": TITAN_BLOCKS}}
 LAYOUTS = {
@@ -28,19 +28,21 @@ LAYOUTS = {
                                        "cp_plan": {**TITAN_CP, "mode": "ring"}, "chunk_loss": True,
                                        "chunk_loss_plan": {"head_module": "output", "chunk_size": 24}},
 }
-_reference = []
+@pytest.fixture(scope="module")
+def reference():
+    return run_reference(reference_run, timeout=300)
 
 
-def _the_reference():
-    if not _reference:
-        _reference.append(run_reference(reference_run, timeout=300))
-    return _reference[0]
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(each_layout, 4, turbo_lm_loss_run, LAYOUTS, timeout=600)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_torchtitan_llama_context_parallel_matches_one_process(layout):
+def test_torchtitan_llama_context_parallel_matches_one_process(layout, runs, reference):
     config = LAYOUTS[layout]
-    for record, widths in run_distributed(turbo_lm_loss_run, 4, config, timeout=300):
-        assert_parity(_the_reference(), record, loss_rtol=1e-5, grad_rtol=1e-4, grad_atol=1e-6)
+    for rank in runs:
+        record, widths = rank[layout]
+        assert_parity(reference, record, loss_rtol=1e-5, grad_rtol=1e-4, grad_atol=1e-6)
         # chunked: the head never built logits; otherwise every call built this rank's share
         assert set(widths) == ({0} if config.get("chunk_loss") else {VOCAB // (2 if "tp_plan" in config else 1)})

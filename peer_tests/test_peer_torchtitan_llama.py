@@ -1,14 +1,16 @@
 """torchtitan's Llama 3 through ``FSDPTurbo(config, model)``, patterns and configuration
 only, against the same model trained in one process: float32, 4 AdamW steps, each step's
-loss rtol 1e-5, the first step's gradients rtol 1e-4 / atol 1e-6."""
+loss rtol 1e-5, the first step's gradients rtol 1e-4 / atol 1e-6. One 4-rank launch trains
+every layout in turn (each from the same seed), each asserted on its own."""
 
 import pytest
-from titan_jobs import TITAN_BLOCKS, TITAN_SP, TITAN_TP, reference_run, turbo_run
+from titan_jobs import TITAN_BLOCKS, TITAN_SP, TITAN_TP, each_layout, reference_run, turbo_run
 
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 
 pytest.importorskip("torchtitan")
-pytestmark = pytest.mark.multirank
+# Module-scoped launches: xdist keeps the module on one worker, so each runs once.
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("torchtitan_llama")]
 
 FSDP = {"fsdp_plan": {"apply_modules": TITAN_BLOCKS}}
 LAYOUTS = {
@@ -25,16 +27,19 @@ LAYOUTS = {
     "fsdp4 + selective recompute": {**FSDP, "fully_shard_parallel_size": 4, "recompute": True,
                                     "recompute_plan": TITAN_BLOCKS, "recompute_policy": "selective"},
 }
-_reference = []
 
 
-def _the_reference():
-    if not _reference:
-        _reference.append(run_reference(reference_run, timeout=300))
-    return _reference[0]
+@pytest.fixture(scope="module")
+def reference():
+    return run_reference(reference_run, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(each_layout, 4, turbo_run, LAYOUTS, timeout=600)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_torchtitan_llama_matches_one_process(layout):
-    for record in run_distributed(turbo_run, 4, LAYOUTS[layout], timeout=300):
-        assert_parity(_the_reference(), record, loss_rtol=1e-5, grad_rtol=1e-4, grad_atol=1e-6)
+def test_torchtitan_llama_matches_one_process(layout, runs, reference):
+    for rank in runs:
+        assert_parity(reference, rank[layout], loss_rtol=1e-5, grad_rtol=1e-4, grad_atol=1e-6)

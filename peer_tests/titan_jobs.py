@@ -69,3 +69,9 @@ def turbo_run(config: dict):
     state = model.parallel_state
     mine = [shard_rows(b, state.dp_rank, state.dp_size) for b in batches()]
     return train_steps(model, mine, loss_fn=logits_loss)
+
+
+def each_layout(job, configs: dict[str, dict]) -> dict:
+    """``job(config)`` for every named layout in turn, inside one launch: a start of the
+    ranks (spawn, imports, process group) costs about as much as training a layout."""
+    return {name: job(config) for name, config in configs.items()}
