@@ -152,6 +152,18 @@ def cp_with_attention_bound_early(config):
     return "ran"
 
 
+def cp_with_indivisible_heads(config):
+    """A non-HF model with 3 heads under Ulysses CP=2: its heads are first seen at the call."""
+    from distributed_jobs import BATCHES
+
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    model = FSDPTurbo(config, TinyAttentionLM(hidden=48, heads=3))
+    batch = BATCHES[0][:1]
+    model(input_ids=batch, labels=batch)
+    return "ran"
+
+
 def cp_with_output_attentions():
     from distributed_jobs import BATCHES
 

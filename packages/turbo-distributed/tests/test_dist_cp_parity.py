@@ -108,6 +108,15 @@ def test_a_model_that_bound_its_attention_early_is_refused_on_every_rank():
     assert all(isinstance(e, ConfigError) and "ran in 0 of 1 attention layers" in str(e) for e in errors), errors
 
 
+def test_heads_ulysses_cannot_split_are_refused_on_every_rank_before_the_all_to_all():
+    from cp_jobs import cp_with_indivisible_heads
+
+    config = {"context_parallel_size": 2, "cp_plan": {"attention_function": "cp_jobs.core_attention"}}
+    errors = run_distributed(cp_with_indivisible_heads, 2, config, timeout=120, return_exceptions=True)
+    assert all(isinstance(e, ConfigError) and e.field == "context_parallel_size" and "3 query heads" in str(e)
+               for e in errors), errors
+
+
 def test_output_attentions_under_cp_is_refused_on_every_rank():
     from cp_jobs import cp_with_output_attentions
 

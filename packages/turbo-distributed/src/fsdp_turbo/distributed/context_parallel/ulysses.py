@@ -111,6 +111,10 @@ def ulysses_core_attention(state: CPState, inner: Callable[..., torch.Tensor]) -
                                   "sequences under context parallel, or one document per row",
                                   reason="a cp_plan.attention_function gets no per-document mask")
         cp, group = state.ulysses_size, state.ulysses_group
+        if query.shape[1] % cp:  # a non-HF model's heads are first seen here, before any collective
+            raise ConfigError("context_parallel_size" if state.mode == "ulysses" else "cp_plan.ulysses_size", cp,
+                              "use a Ulysses size that divides the attention heads, or cp_plan.mode='ring'",
+                              reason=f"this attention has {query.shape[1]} query heads on each rank")
         kv_heads = replicated_kv_heads(key.shape[1], cp)
         q = sequence_to_heads(query, group, cp)
         k = sequence_to_heads(replicate_kv(key, kv_heads), group, cp)
