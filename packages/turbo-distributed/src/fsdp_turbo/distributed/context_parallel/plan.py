@@ -36,7 +36,8 @@ class CPTarget:
 
     def describe(self) -> str:
         if self.module_names:
-            return f"{len(self.module_names)} attention modules ({self.module_names[0]}, ...)"
+            more = len(self.module_names) - 1
+            return self.module_names[0] + (f" (and {more} more)" if more else "")
         return self.function_path or f"HF attention '{self.hf_implementation}'"
 
     @property
@@ -60,13 +61,17 @@ class CPPlan(FeaturePlan):
     def describe(self) -> tuple[PlanRow, ...]:
         chunks = "zig-zag chunks" if self.load_balance else "contiguous chunks"
         if self.mode == "ring":
-            return (PlanRow("cp_plan (attention)", (f"ring over {self.size} ranks ({chunks}) on "
-                                                    f"{self.target.describe()} calls",)),)
-        if self.mode == "hybrid":
-            ring = self.size // self.ulysses_size
-            return (PlanRow("cp_plan (attention)", (f"Ulysses {self.ulysses_size} x ring {ring} ({chunks}) on "
-                                                    f"{self.target.describe()} calls",)),)
-        return (PlanRow("cp_plan (attention)", (self.target.describe(),)),)
+            how = f"ring over {self.size} ranks ({chunks}) on {self.target.describe()} calls"
+        elif self.mode == "hybrid":
+            how = (f"Ulysses {self.ulysses_size} x ring {self.size // self.ulysses_size} ({chunks}) on "
+                   f"{self.target.describe()} calls")
+        else:
+            how = self.target.describe()
+        rows = [PlanRow("cp_plan (attention)", (how,))]
+        if self.inputs != InputNames():
+            rows.append(PlanRow("cp_plan (inputs)", (f"splits '{self.inputs.tokens}', passes each rank's "
+                                                     f"positions as '{self.inputs.positions}'",)))
+        return tuple(rows)
 
     def estimate(self, memory: MemoryModel) -> None:
         memory.tokens //= self.size  # each rank holds 1/cp of the sequence outside attention
