@@ -97,3 +97,12 @@ def test_fsdp_plan_applies_in_a_single_process():
     assert result["plans"] == ["fully_shard"] and result["world"] == 1
     assert result["seen"] == [(torch.bfloat16, torch.bfloat16)]
     assert result["grad"] == torch.float32  # fp32 master weights, gradients reduced in fp32
+
+
+def test_kept_units_are_named_units():
+    model = tiny_hf_causal_lm("llama", num_hidden_layers=2)
+    plan = FSDPPlanConfig(apply_modules=["model.layers.*", "lm_head"], keep_after_forward=["lm_head"])
+    assert select_units(model, plan).kept == ("lm_head",)
+    assert select_units(model, FSDPPlanConfig()).kept == ()
+    with pytest.raises(ConfigError, match=r"fsdp_plan\.keep_after_forward.*not an FSDP unit"):
+        select_units(model, FSDPPlanConfig(keep_after_forward=["lm_head"]))

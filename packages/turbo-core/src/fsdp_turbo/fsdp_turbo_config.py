@@ -77,6 +77,12 @@ class FSDPPlanConfig(ConfigSection):
     block of the model's repeated block list, e.g. the decoder layers. The root is
     always wrapped last. ``reshard_after_forward=None`` keeps FSDP2's default: units
     reshard, the root does not (its parameters are needed again at once in backward).
+
+    ``keep_after_forward`` names units (among those picked) that keep their parameters
+    gathered from forward to backward, as the root does: for the output head as its own
+    unit (torchtitan's choice). Then it is gathered when forward reaches it, not when
+    forward starts, and its gradients reduce-scatter as soon as its backward ends, not
+    with the root's at the end of backward: the same bytes, less memory held.
     """
 
     _prefix: ClassVar[str] = "fsdp_plan"
@@ -88,6 +94,7 @@ class FSDPPlanConfig(ConfigSection):
     output_dtype: torch.dtype | str | None = None
     cast_forward_inputs: bool = True
     reshard_after_forward: bool | int | None = None
+    keep_after_forward: tuple[str, ...] = ()
     num_to_forward_prefetch: int = 0
     num_to_backward_prefetch: int = 0
     cpu_offload: bool = False
@@ -96,6 +103,7 @@ class FSDPPlanConfig(ConfigSection):
         p = self._prefix
         _set(self, "apply_modules", check_optional_patterns(self.apply_modules, f"{p}.apply_modules"))
         _set(self, "ignored_modules", check_patterns(self.ignored_modules, f"{p}.ignored_modules"))
+        _set(self, "keep_after_forward", check_patterns(self.keep_after_forward, f"{p}.keep_after_forward"))
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             _set(self, name, parse_dtype(getattr(self, name), f"{p}.{name}"))
         check_bool(self.cast_forward_inputs, f"{p}.cast_forward_inputs")

@@ -53,7 +53,8 @@ Prefetch = tuple[tuple[str, tuple[str, ...]], ...]  # FSDP module -> the modules
 @dataclass(frozen=True)
 class FSDPPlan(FeaturePlan):
     """The FSDP units in model order (the root is wrapped last), the ignored modules, the
-    expert containers to shard first on the expert mesh, and who prefetches whom."""
+    expert containers to shard first on the expert mesh, who prefetches whom, and the
+    units that keep their parameters after forward."""
 
     settings: FSDPPlanConfig
     units: tuple[str, ...]
@@ -63,9 +64,12 @@ class FSDPPlan(FeaturePlan):
     backward_prefetch: Prefetch
     shards: int  # fsdp x cp
     expert_shards: int  # efsdp
+    kept: tuple[str, ...] = ()
 
     def describe(self) -> tuple[PlanRow, ...]:
-        return (PlanRow("fsdp_plan.apply_modules", self.units), PlanRow("fsdp_plan.ignored_modules", self.ignored))
+        kept = (PlanRow("fsdp_plan.keep_after_forward", self.kept),) if self.kept else ()
+        return (PlanRow("fsdp_plan.apply_modules", self.units), PlanRow("fsdp_plan.ignored_modules", self.ignored),
+                *kept)
 
     def estimate(self, memory: MemoryModel) -> None:
         for name, layout in memory.params.items():
@@ -107,7 +111,7 @@ def plan_fully_shard(model: nn.Module, settings: FSDPPlanConfig, state: Parallel
     units = tuple(selection.units)
     forward, backward = _prefetch(units, experts, settings, chunked_head)
     return FSDPPlan(settings, units, tuple(selection.ignored), experts, forward, backward,
-                    state.fsdp_size * state.cp_size, state.efsdp_size)
+                    state.fsdp_size * state.cp_size, state.efsdp_size, selection.kept)
 
 
 class FullyShardTransform(Transform):
@@ -142,8 +146,9 @@ class FullyShardTransform(Transform):
         # Experts first, on their own mesh: the dense units then skip their parameters.
         experts = shard_experts({name: model.get_submodule(name) for name in plan.experts}, parallel_state,
                                 **unit_kwargs)
-        for unit in units:
-            fully_shard(unit, **unit_kwargs, mesh=options["mesh"], ignored_params=ignored)
+        for name, unit in zip(plan.units, units, strict=True):
+            kwargs = dict(unit_kwargs, reshard_after_forward=False) if name in plan.kept else unit_kwargs
+            fully_shard(unit, **kwargs, mesh=options["mesh"], ignored_params=ignored)
         fully_shard(model, mp_policy=mixed_precision_policy(settings, root=True),
                     reshard_after_forward=reshard_after_forward(settings, root=True), **options)
         for name, targets in plan.forward_prefetch:

@@ -14,10 +14,12 @@ from fsdp_turbo.fsdp_turbo_config import FSDPPlanConfig
 
 @dataclass(frozen=True)
 class ShardingUnits:
-    """FSDP units in model order (the root is added last by the transform) and ignored modules."""
+    """FSDP units in model order (the root is added last by the transform), ignored
+    modules, and the units that keep their parameters gathered after forward."""
 
     units: dict[str, nn.Module]
     ignored: dict[str, nn.Module]
+    kept: tuple[str, ...] = ()
 
     def ignored_params(self) -> set[nn.Parameter]:
         return {p for module in self.ignored.values() for p in module.parameters()}
@@ -41,7 +43,18 @@ def select_units(model: nn.Module, plan: FSDPPlanConfig) -> ShardingUnits:
                 raise ConfigError("fsdp_plan.ignored_modules", skip,
                                   f"drop {unit!r} from fsdp_plan.apply_modules or {skip!r} from ignored_modules",
                                   reason=f"it contains the FSDP unit {unit!r}")
-    return ShardingUnits(units, ignored)
+    return ShardingUnits(units, ignored, _kept_units(model, plan, units))
+
+
+def _kept_units(model: nn.Module, plan: FSDPPlanConfig, units: dict[str, nn.Module]) -> tuple[str, ...]:
+    if not plan.keep_after_forward:
+        return ()
+    kept = match_modules(model, plan.keep_after_forward, field="fsdp_plan.keep_after_forward", outermost=True)
+    for name in kept:
+        if name not in units:
+            raise ConfigError("fsdp_plan.keep_after_forward", name, f"add {name!r} to fsdp_plan.apply_modules, "
+                              "or drop it here", reason="it is not an FSDP unit; only units reshard after forward")
+    return tuple(kept)
 
 
 def prefetch_plan(units: list[nn.Module], forward: int, backward: int) -> list[tuple[int, list, list]]:

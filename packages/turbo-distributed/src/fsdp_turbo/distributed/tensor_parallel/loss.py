@@ -25,6 +25,10 @@ class _ScopedLossParallel(torch.autograd.Function):
             sharded = DTensor.from_local(leaf, mesh, placements, run_check=False, shape=shape, stride=stride)
             loss = loss_fn(sharded)
             local_loss = loss.to_local() if isinstance(loss, DTensor) else loss
+        # The leaf only says where backward's gradient goes: what the loss needs, it saved
+        # itself (DTensor wraps a view, not the leaf). Without this, ctx would hold the
+        # local logits [B, S, V/tp] until backward, after the caller has dropped them.
+        leaf.data = leaf.new_empty(0)
         ctx.leaf, ctx.local_loss = leaf, local_loss
         # A fresh tensor, not a view: FSDP's root warns on (and mishandles) returned views.
         return local_loss.detach().clone()
