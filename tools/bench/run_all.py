@@ -34,6 +34,7 @@ BENCHES = {
     "load_pretrained": [],
     "data_pipeline": [],
     "context_parallel": [],
+    "peer_torchtitan": [],
 }
 
 
