@@ -2,11 +2,23 @@
 
 ``apply_expert_parallel`` (or the ``expert_parallel`` transform) converts the expert
 containers the plan picks; ``shard_experts`` puts expert FSDP on top. Dispatchers:
-``eager``, ``fused`` and ``mc2``; all give the same numbers.
+``eager``, ``fused`` and ``mc2``; all give the same numbers. Expert containers are
+recognised by the registered expert forms (``register_expert_form``); the built-in ones
+are HF's fused experts, a ModuleList of experts and torchtitan's ``GroupedExperts``.
 """
 
+from fsdp_turbo.distributed.expert_parallel.counted_experts import CountedExperts
 from fsdp_turbo.distributed.expert_parallel.dispatchers import DISPATCHERS, ExpertGroup
-from fsdp_turbo.distributed.expert_parallel.experts import ExpertAdapter, ExpertList, FusedExperts, expert_adapter
+from fsdp_turbo.distributed.expert_parallel.experts import ExpertList, FusedExperts
+from fsdp_turbo.distributed.expert_parallel.forms import (
+    ExpertAdapter,
+    expert_adapter,
+    expert_forms,
+    keep_expert_rows,
+    loop_over_experts,
+    register_expert_form,
+    unregister_expert_form,
+)
 from fsdp_turbo.distributed.expert_parallel.module import ExpertParallel, is_expert_parallel, make_expert_parallel
 from fsdp_turbo.distributed.expert_parallel.plan import EPPlan, resolve_ep_plan
 from fsdp_turbo.distributed.expert_parallel.sharding import expert_fsdp_mesh, shard_experts
@@ -17,6 +29,7 @@ from fsdp_turbo.distributed.expert_parallel.transform import (
 )
 
 __all__ = [
+    "CountedExperts",
     "DISPATCHERS",
     "EPPlan",
     "ExpertAdapter",
@@ -28,9 +41,14 @@ __all__ = [
     "apply_ep_plan",
     "apply_expert_parallel",
     "expert_adapter",
+    "expert_forms",
     "expert_fsdp_mesh",
     "is_expert_parallel",
+    "keep_expert_rows",
+    "loop_over_experts",
     "make_expert_parallel",
+    "register_expert_form",
     "resolve_ep_plan",
     "shard_experts",
+    "unregister_expert_form",
 ]

@@ -25,7 +25,7 @@ from torch import nn
 
 from fsdp_turbo.core.ops import call_op, register_op
 from fsdp_turbo.distributed.expert_parallel.collectives import all_to_all, wait
-from fsdp_turbo.distributed.expert_parallel.experts import ExpertAdapter
+from fsdp_turbo.distributed.expert_parallel.forms import ExpertAdapter
 from fsdp_turbo.distributed.expert_parallel.ops import register_backends
 from fsdp_turbo.distributed.expert_parallel.routing import (
     TokenRoute,

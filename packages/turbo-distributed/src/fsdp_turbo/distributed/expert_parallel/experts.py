@@ -1,6 +1,5 @@
-"""Expert containers, recognised by their form rather than their class name.
-
-Two forms are adapted:
+"""The built-in expert forms of HF-style models, recognised by form rather than class name
+(``forms`` holds the registry; ``counted_experts`` torchtitan's form):
 
 - **Fused 3-D weights** (transformers v5: Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3):
   ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` (``[E, H, 2I]`` / ``[E, I, H]`` when
@@ -11,13 +10,11 @@ Two forms are adapted:
   subclass, or a module whose only child is one, with that same forward. Each entry maps
   ``[n, H] -> [n, H]``.
 
-An adapter knows how to keep one EP rank's experts and how to run them on expert-major
-token groups, as a loop (``eager``) or as grouped GEMMs (``grouped``).
+Both take ``forward(hidden_states, top_k_index, top_k_weights)``, the dispatchers' own call.
 """
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -30,6 +27,12 @@ from fsdp_turbo.core.grouped_mm import grouped_linear
 from fsdp_turbo.core.logging import get_logger, warn_once
 from fsdp_turbo.core.model_inspect import fused_experts_form, has_router_forward, local_tensor
 from fsdp_turbo.core.ops import call_op
+from fsdp_turbo.distributed.expert_parallel.forms import (
+    ExpertAdapter,
+    keep_expert_rows,
+    loop_over_experts,
+    register_expert_form,
+)
 
 _log = get_logger(__name__)
 
@@ -42,66 +45,24 @@ def is_quantized(module: nn.Module) -> bool:
     return getattr(module, "mx_recipe", None) is not None
 
 
-@dataclass(frozen=True)
-class ExpertAdapter(abc.ABC):
-    """How to shard and run one form of expert container. A value (it holds no module),
-    so it can sit in the expert-parallel plan."""
-
-    num_experts: int
-    form: ClassVar[str] = ""
-
-    @abc.abstractmethod
-    def keep_local_experts(self, module: nn.Module, first: int, count: int, ep_mesh) -> None:
-        """Keep experts ``[first, first + count)``; parameter names do not change."""
-
-    @abc.abstractmethod
-    def eager(self, module: nn.Module, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """Run each row of ``x`` through local expert ``expert[row]``, one expert at a time."""
-
-    @abc.abstractmethod
-    def grouped(self, module: nn.Module, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        """Run expert-major ``x`` (``group_sizes[e]`` rows for local expert ``e``) at once."""
-
-
-def _rows_per_expert(expert: torch.Tensor, count: int) -> list[torch.Tensor]:
-    order = torch.argsort(expert, stable=True)
-    sizes = torch.bincount(expert, minlength=count).tolist()
-    return list(order.split(sizes))
-
-
-def _loop_over_experts(x: torch.Tensor, expert: torch.Tensor, count: int,
-                       run: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    # Experts with no rows still run (on zero rows): their weights then get a zero gradient,
-    # so every rank of an expert-FSDP group reduces the same set of gradients.
-    groups = _rows_per_expert(expert, count)
-    outputs = [run(index, x[rows]) for index, rows in enumerate(groups)]
-    return x.new_zeros(x.shape[0], outputs[0].shape[-1]).index_copy(0, torch.cat(groups), torch.cat(outputs))
-
-
+@register_expert_form
 @dataclass(frozen=True)
 class FusedExperts(ExpertAdapter):
     transposed: bool = False
-    form: ClassVar[str] = "fused 3-D weights"
+    form: ClassVar[str] = ("fused 3-D gate_up_proj/down_proj weights with "
+                           "forward(hidden_states, top_k_index, top_k_weights)")
 
-    @staticmethod
-    def detect(module: nn.Module) -> FusedExperts | None:
+    @classmethod
+    def detect(cls, module: nn.Module) -> FusedExperts | None:
         found = fused_experts_form(module)
-        return None if found is None else FusedExperts(found.num_experts, found.transposed)
+        return None if found is None else cls(found.num_experts, found.transposed)
 
     def _param_names(self, module: nn.Module) -> list[str]:
         return [n for n in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
                 if isinstance(getattr(module, n, None), nn.Parameter)]
 
     def keep_local_experts(self, module: nn.Module, first: int, count: int, ep_mesh) -> None:
-        from torch.distributed.tensor import DTensor, Shard
-
-        for name in self._param_names(module):
-            full = getattr(module, name)
-            block = full.detach()[first : first + count].clone()
-            # A DTensor sharded over EP keeps the global shape, so state_dict, DCP and
-            # full_tensor() see all experts.
-            local = DTensor.from_local(block, ep_mesh, [Shard(0)], run_check=False) if ep_mesh else block
-            setattr(module, name, nn.Parameter(local, requires_grad=full.requires_grad))
+        keep_expert_rows(module, self._param_names(module), first, count, ep_mesh)
 
     def _weights(self, module: nn.Module) -> tuple[torch.Tensor, ...]:
         gate_up, down = local_tensor(module.gate_up_proj), local_tensor(module.down_proj)
@@ -129,7 +90,7 @@ class FusedExperts(ExpertAdapter):
             h = F.linear(rows, gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
             return F.linear(self._gate(module, h), down[e], None if down_bias is None else down_bias[e])
 
-        return _loop_over_experts(x, expert, gate_up.shape[0], run)
+        return loop_over_experts(x, expert, gate_up.shape[0], run)
 
     def grouped(self, module: nn.Module, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         if is_quantized(module):
@@ -159,23 +120,24 @@ def _expert_list(module: nn.Module) -> nn.ModuleList | None:
 _SWIGLU_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
+@register_expert_form
 @dataclass(frozen=True)
 class ExpertList(ExpertAdapter):
     """A ModuleList of experts. Non-local entries are removed from the list's registry but
     the local ones keep their global index as their name (``experts.5.w1.weight``), so
     ``state_dict`` keys are the model's own; each key then lives on its owner's ranks."""
 
-    form: ClassVar[str] = "ModuleList of expert MLPs"
+    form: ClassVar[str] = "a ModuleList of expert MLPs with forward(hidden_states, top_k_index, top_k_weights)"
 
-    @staticmethod
-    def detect(module: nn.Module) -> ExpertList | None:
+    @classmethod
+    def detect(cls, module: nn.Module) -> ExpertList | None:
         experts = _expert_list(module)
         if experts is None or not len(experts) or not has_router_forward(module):
             return None
         shapes = {tuple((n, tuple(p.shape)) for n, p in e.named_parameters()) for e in experts}
         if len(shapes) != 1 or not next(iter(shapes)):
             return None
-        return ExpertList(len(experts))
+        return cls(len(experts))
 
     @staticmethod
     def local_experts(module: nn.Module) -> list[nn.Module]:
@@ -189,7 +151,7 @@ class ExpertList(ExpertAdapter):
 
     def eager(self, module: nn.Module, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         experts = self.local_experts(module)
-        return _loop_over_experts(x, expert, len(experts), lambda e, rows: experts[e](rows))
+        return loop_over_experts(x, expert, len(experts), lambda e, rows: experts[e](rows))
 
     def _stacked_swiglu(self, experts: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor, Callable] | None:
         for gate, up, down in _SWIGLU_NAMES:
@@ -206,15 +168,10 @@ class ExpertList(ExpertAdapter):
         if stacked is None:
             warn_once(_log, f"{type(experts[0]).__name__} experts are not SwiGLU Linear layers; the fused "
                             "dispatcher runs them one by one")
-            expert = torch.repeat_interleave(torch.arange(len(experts), device=x.device), group_sizes)
-            return self.eager(module, x, expert)
+            return super().grouped(module, x, group_sizes)
         # Stacking copies the weights each step: the price of keeping the model's own modules.
         gate_up, down, act = stacked
         offsets = torch.cumsum(group_sizes, 0)
         gate, up = grouped_linear(x, gate_up.to(x.dtype), offsets).chunk(2, dim=-1)
         return grouped_linear(act(gate) * up, down.to(x.dtype), offsets)
 
-
-def expert_adapter(module: nn.Module) -> ExpertAdapter | None:
-    """The adapter for ``module``'s form, or ``None`` if it is not an expert container."""
-    return FusedExperts.detect(module) or ExpertList.detect(module)

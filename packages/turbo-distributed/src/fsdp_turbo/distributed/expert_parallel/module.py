@@ -19,8 +19,12 @@ class ExpertParallel(nn.Module):
     # Eager under torch.compile (one graph break per MoE layer): the all-to-all splits are
     # host integers read from the routing, and the expert weights are DTensors on the EP mesh.
     @torch.compiler.disable
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        # The form turns the container's own call into the dispatchers' one.
+        return self.ep_experts.adapter.run_forward(self.ep_dispatch, *args, **kwargs)
+
+    def ep_dispatch(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
         return self.ep_dispatcher(self, self.ep_experts, hidden_states, top_k_index, top_k_weights)
 
 

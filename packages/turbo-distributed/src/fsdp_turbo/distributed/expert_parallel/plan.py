@@ -8,18 +8,14 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.core.model_inspect import EXPERT_FORWARD_ARGS
 from fsdp_turbo.core.patterns import match_modules
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow
-from fsdp_turbo.distributed.expert_parallel.experts import ExpertAdapter, expert_adapter
+from fsdp_turbo.distributed.expert_parallel.forms import ExpertAdapter, expert_adapter, expert_forms
 from fsdp_turbo.distributed.expert_parallel.module import is_expert_parallel
 from fsdp_turbo.fsdp_turbo_config import EPPlanConfig
 
 if TYPE_CHECKING:
     from fsdp_turbo.core.memory_estimate import MemoryModel
-
-_EXPECTED = (f"fused 3-D gate_up_proj/down_proj weights, or a ModuleList of expert MLPs, with "
-             f"forward({', '.join(EXPERT_FORWARD_ARGS)})")
 
 
 @dataclass(frozen=True)
@@ -39,8 +35,8 @@ class EPPlan(FeaturePlan):
         return (PlanRow("ep_plan.apply_modules", self.container_names),)
 
     def estimate(self, memory: MemoryModel) -> None:
-        # Each rank keeps 1/ep of the experts: dim 0 of fused weights (for a list of expert
-        # MLPs, the same bytes as keeping 1/ep of the entries).
+        # Each rank keeps 1/ep of the experts: dim 0 of 3-D expert weights (for a list of
+        # expert MLPs, the same bytes as keeping 1/ep of the entries).
         prefixes = tuple(name + "." for name in self.container_names)
         for name, layout in memory.params.items():
             if name.startswith(prefixes) and layout.shape:
@@ -48,8 +44,9 @@ class EPPlan(FeaturePlan):
 
 
 def resolve_ep_plan(model: nn.Module, plan: EPPlanConfig, ep_size: int) -> EPPlan:
-    """The expert containers ``plan.apply_modules`` picks, with their adapters. Raises
-    ``ConfigError`` (the same on every rank) and never communicates."""
+    """The expert containers ``plan.apply_modules`` picks, each with the adapter of the first
+    registered expert form that recognises it. Raises ``ConfigError`` (the same on every
+    rank) and never communicates."""
     matches = match_modules(model, plan.apply_modules, field="ep_plan.apply_modules", outermost=True)
     containers: list[tuple[str, ExpertAdapter]] = []
     for name, module in matches.items():
@@ -58,9 +55,12 @@ def resolve_ep_plan(model: nn.Module, plan: EPPlanConfig, ep_size: int) -> EPPla
                               reason="the module is already expert-parallel")
         adapter = expert_adapter(module)
         if adapter is None:
+            expected = "; or ".join(form.form for form in expert_forms())
             raise ConfigError("ep_plan.apply_modules", name,
-                              "point the pattern at the experts container (e.g. '*mlp.experts')",
-                              reason=f"{type(module).__name__} is not an expert container; expected {_EXPECTED}")
+                              "point the pattern at the experts container (e.g. '*mlp.experts'), or add a "
+                              "form for it with register_expert_form (an ExpertAdapter subclass)",
+                              reason=f"{type(module).__name__} is not an expert container: it matches no "
+                                     f"registered expert form ({expected})")
         if adapter.num_experts % ep_size:
             raise ConfigError("expert_parallel_size", ep_size,
                               f"use a divisor of the number of experts ({adapter.num_experts})",

@@ -1,0 +1,127 @@
+"""Expert forms: how one shape of expert container is recognised, sharded and run.
+
+A form is an :class:`ExpertAdapter` subclass registered with :func:`register_expert_form`.
+The planner asks every registered form, newest first, whether it recognises a module that
+``ep_plan.apply_modules`` picked (:meth:`ExpertAdapter.detect`); the first that does gives
+the adapter the dispatchers use. The built-in forms are registered the same way, so a form
+registered later is asked first and may take over a module a built-in one also matches.
+
+The dispatchers only ever see ``(hidden_states [rows, H], top_k_index [rows, k],
+top_k_weights [rows, k])`` and return ``[rows, H]``; :meth:`ExpertAdapter.run_forward`
+translates the container's own call into that, so no form needs a case in a dispatcher.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``dispatch(hidden_states, top_k_index, top_k_weights) -> [rows, H]``: what the unsharded
+experts would return for these rows, summed over each row's ``k`` slots with their weights."""
+
+
+@dataclass(frozen=True)
+class ExpertAdapter(abc.ABC):
+    """How to shard and run one form of expert container. A value (it holds no module),
+    so it can sit in the expert-parallel plan.
+
+    A form implements :meth:`detect`, :meth:`keep_local_experts` and :meth:`eager`; also
+    :meth:`grouped` for the ``fused`` and ``mc2`` dispatchers' grouped GEMMs, and
+    :meth:`run_forward` when its forward is not ``(hidden_states, top_k_index, top_k_weights)``.
+    ``form`` describes it in the error for a module no form recognises."""
+
+    num_experts: int
+    form: ClassVar[str] = ""
+
+    @classmethod
+    @abc.abstractmethod
+    def detect(cls, module: nn.Module) -> ExpertAdapter | None:
+        """The adapter for ``module`` if it has this form, else ``None``. Reads the module only."""
+
+    @abc.abstractmethod
+    def keep_local_experts(self, module: nn.Module, first: int, count: int, ep_mesh) -> None:
+        """Keep experts ``[first, first + count)``; parameter names do not change. ``ep_mesh``
+        (1-D over the EP group, or ``None``) lets weights become DTensors of global shape."""
+
+    @abc.abstractmethod
+    def eager(self, module: nn.Module, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Run each row of ``x`` through local expert ``expert[row]``, one expert at a time."""
+
+    def grouped(self, module: nn.Module, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        """Run expert-major ``x`` (``group_sizes[e]`` rows for local expert ``e``) at once. The
+        default is :meth:`eager` on those rows: override it with grouped GEMMs."""
+        local = torch.arange(group_sizes.numel(), device=x.device)
+        return self.eager(module, x, torch.repeat_interleave(local, group_sizes, output_size=x.shape[0]))
+
+    def run_forward(self, dispatch: Dispatch, *args, **kwargs) -> torch.Tensor:
+        """The container's forward, expert-parallel: turn its arguments into ``dispatch``'s
+        and its result into the container's. The default is the router-style forward."""
+        return dispatch(*args, **kwargs)
+
+
+_FORMS: list[type[ExpertAdapter]] = []
+
+
+def register_expert_form(cls: type[ExpertAdapter]) -> type[ExpertAdapter]:
+    """Add ``cls`` to the forms the planner tries (newest first); usable as a decorator.
+    Registering a class again moves it to the front."""
+    if not (isinstance(cls, type) and issubclass(cls, ExpertAdapter)):
+        raise TypeError(f"an expert form is an ExpertAdapter subclass, not {cls!r}")
+    if getattr(cls, "__abstractmethods__", None):
+        raise TypeError(f"{cls.__name__} leaves {sorted(cls.__abstractmethods__)} unimplemented")
+    if not cls.form:
+        raise TypeError(f"{cls.__name__} needs a `form` description (named in the error for unmatched modules)")
+    unregister_expert_form(cls)
+    _FORMS.insert(0, cls)
+    return cls
+
+
+def unregister_expert_form(cls: type[ExpertAdapter]) -> None:
+    """Forget ``cls`` (a no-op if it is not registered)."""
+    if cls in _FORMS:
+        _FORMS.remove(cls)
+
+
+def expert_forms() -> Sequence[type[ExpertAdapter]]:
+    """The registered forms, in the order they are tried."""
+    return tuple(_FORMS)
+
+
+def expert_adapter(module: nn.Module) -> ExpertAdapter | None:
+    """The adapter of the first registered form that recognises ``module``, or ``None``."""
+    for form in _FORMS:
+        adapter = form.detect(module)
+        if adapter is not None:
+            return adapter
+    return None
+
+
+def keep_expert_rows(module: nn.Module, names: Sequence[str], first: int, count: int, ep_mesh) -> None:
+    """For forms whose parameters hold one expert per row of dim 0: keep rows
+    ``[first, first + count)`` of each parameter in ``names``. A DTensor sharded over EP keeps
+    the global shape, so ``state_dict``, DCP and ``full_tensor()`` see all experts."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for name in names:
+        full = getattr(module, name)
+        block = full.detach()[first : first + count].clone()
+        local = DTensor.from_local(block, ep_mesh, [Shard(0)], run_check=False) if ep_mesh else block
+        setattr(module, name, nn.Parameter(local, requires_grad=full.requires_grad))
+
+
+def loop_over_experts(x: torch.Tensor, expert: torch.Tensor, count: int,
+                      run: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """An :meth:`ExpertAdapter.eager` body: ``run(e, rows)`` for each of the ``count`` local
+    experts on the rows of ``x`` routed to it, put back in row order."""
+    # Experts with no rows still run (on zero rows): their weights then get a zero gradient,
+    # so every rank of an expert-FSDP group reduces the same set of gradients.
+    order = torch.argsort(expert, stable=True)
+    groups = order.split(torch.bincount(expert, minlength=count).tolist())
+    outputs = [run(index, x[rows]) for index, rows in enumerate(groups)]
+    return x.new_zeros(x.shape[0], outputs[0].shape[-1]).index_copy(0, torch.cat(groups), torch.cat(outputs))
