@@ -209,13 +209,30 @@ def _timed(side: Side, inputs, labels) -> tuple[float, float]:
     return time.perf_counter() - started, loss
 
 
+class _CountedCollectives(CollectiveBytes):
+    """The comm-volume bench's byte count, plus how many collectives were called: on
+    gloo each call costs a latency that bytes do not show."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        counted = name.startswith("c10d::") or (name.startswith("_c10d_functional::")
+                                                 and "wait" not in name and "wrap" not in name)
+        self.calls += counted
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def _collective_bytes(side: Side, inputs, labels) -> dict[str, int]:
-    counter = CollectiveBytes()
+    counter = _CountedCollectives()
     with counter:
         side.forward_backward(inputs, labels)
     side.optimizer.step()
     side.optimizer.zero_grad(set_to_none=True)
-    return {f"{group} {kind}": value for (group, kind), value in sorted(counter.bytes.items())}
+    moved = {f"{group} {kind}": value for (group, kind), value in sorted(counter.bytes.items())}
+    return {**moved, "calls": counter.calls}
 
 
 def _peak_activation(side: Side, inputs, labels) -> int:
@@ -301,11 +318,13 @@ def report_layout(layout: str, per_rank: list[dict]) -> None:
           f"{len(times['ours'])} steps; median paired ratio {paired:.3f} (goal <= 1.00)")
     result(f"step time, {label}", paired, "<= 1.00", f"{ours_t * 1e3:.1f} vs {theirs_t * 1e3:.1f} ms")
     moved = first["bytes"]
+    calls = {name: moved[name].pop("calls") for name in ("ours", "theirs")}
     ours_b, theirs_b = sum(moved["ours"].values()), sum(moved["theirs"].values())
     print(f"  collective bytes per step, rank 0: FSDPTurbo {ours_b / 1e6:.3f} MB, torchtitan {theirs_b / 1e6:.3f} MB; "
           f"ratio {ours_b / theirs_b:.3f} (goal 1.00)")
     for name in ("ours", "theirs"):
-        print(f"    {name:6s} " + ", ".join(f"{k}={v / 1e6:.3f} MB" for k, v in moved[name].items()))
+        detail = ", ".join(f"{k}={v / 1e6:.3f} MB" for k, v in moved[name].items())
+        print(f"    {name:6s} {calls[name]} calls: {detail}")
     result(f"collective bytes per step, {label}", ours_b / theirs_b, "1.00",
            f"{ours_b / 1e6:.2f} vs {theirs_b / 1e6:.2f} MB on rank 0")
     for key, what in (("state", "model-state bytes per rank (params + grads + AdamW)"),
