@@ -78,9 +78,9 @@ TITAN_APPLY_TP = {
                          "layers.*.feed_forward.w1", "layers.*.feed_forward.w3", "output"],
     "rowwise_parallel": ["layers.*.attention.wo", "layers.*.feed_forward.w2", "tok_embeddings"],
     "sequence_parallel": NORMS, "head_module": "output", "loss_parallel": True}
-MOE_NOTE = ("moe: not measured. The MoE row (torchtitan's Qwen3-MoE under its apply_moe_ep_tp against FSDPTurbo's "
-            "ep_plan) waits for FSDPTurbo to recognise torchtitan's GroupedExperts as an expert form, which is being "
-            "added under the same issue; until then there is no FSDPTurbo side to run.")
+MOE_NOTE = ("moe: not measured yet. The MoE row (torchtitan's Qwen3-MoE under its apply_moe_ep_tp against "
+            "FSDPTurbo's ep_plan) is still to be added: FSDPTurbo's GroupedExperts expert form, which it needs, "
+            "landed while this benchmark was being written (its parity test: peer_tests/test_peer_torchtitan_moe.py).")
 LAYOUTS = {  # name -> (fsdp, tp, our config)
     "fsdp4": (4, 1, {"fully_shard_parallel_size": 4, "fsdp_plan": FSDP_UNITS}),
     "fsdp2_tp2": (2, 2, {"fully_shard_parallel_size": 2, "tensor_parallel_size": 2, "fsdp_plan": FSDP_UNITS,
