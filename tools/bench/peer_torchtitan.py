@@ -22,14 +22,18 @@ reductions (``MixedPrecisionPolicy(float32, float32)``); torchtitan's default FS
 and reshard policy (``fsdp_reshard_after_forward="default"``: the embedding and every
 block reshard after forward, norm + output do not; ours: ``fsdp_plan.apply_modules`` with
 the head as a unit and ``fsdp_plan.keep_after_forward=["output"]``); no recompute, no
-compile. The MoE row (Qwen3-MoE, ``apply_moe_ep_tp``) is not measured yet (``MOE_NOTE``). FSDP=2 x
-TP=2 is torchtitan's ``apply_tp``: embedding rowwise, sequence parallel norms, q/k/v and
+compile. FSDP=2 x TP=2 is torchtitan's ``apply_tp``: embedding rowwise, sequence parallel norms, q/k/v and
 w1/w3 colwise, wo/w2 rowwise, the output head colwise with loss parallel, written as an
 FSDPTurbo ``tp_plan``. Each side trains with its own loop convention: torchtitan sums the
 cross-entropy and divides by the global token count (its FSDP does not divide gradients),
 inside ``loss_parallel()``; ours takes the local mean (FSDP averages) through
 ``vocab_parallel_cross_entropy``. The gradients are the same; every step's loss is
 checked to agree.
+
+MoE: torchtitan's Qwen3-MoE (``parallelize_qwen3``) at FSDP=4. Its ``apply_moe_ep_tp``
+cannot run on CPU (ExpertParallel's token permute is a Triton kernel; the benchmark tries
+it and prints the error), so there is no EP row. Test-side settings of the CPU build, as
+in the MoE peer tests: ``use_grouped_mm=False`` and ``torch.histc`` counted in float32.
 
 Printed, each as ours / torchtitan with both raw values:
 - step time: median of the paired ratios (steps alternate between the two models, each
@@ -39,17 +43,21 @@ Printed, each as ours / torchtitan with both raw values:
   input); goal 1.00;
 - model-state bytes per rank (parameters + gradients + AdamW states, MemTracker after one
   step, the largest rank); goal <= 1.00;
-- peak activation bytes per rank (MemTracker peak during forward + backward, parameters
-  and gradients excluded, the largest rank); goal <= 1.00.
+- peak activation bytes per rank (MemTracker peak during forward + backward less the
+  sharded parameters: activations, temporaries, gathered parameters and gradients; the
+  largest rank); goal <= 1.00.
 
-    python tools/bench/peer_torchtitan.py [--steps 16] [--layouts fsdp4 fsdp2_tp2]
+    python tools/bench/peer_torchtitan.py [--steps 12] [--layouts fsdp4 fsdp2_tp2 moe_fsdp4]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from unittest import mock
 
 import torch
@@ -78,13 +86,15 @@ TITAN_APPLY_TP = {
                          "layers.*.feed_forward.w1", "layers.*.feed_forward.w3", "output"],
     "rowwise_parallel": ["layers.*.attention.wo", "layers.*.feed_forward.w2", "tok_embeddings"],
     "sequence_parallel": NORMS, "head_module": "output", "loss_parallel": True}
-MOE_NOTE = ("moe: not measured yet. The MoE row (torchtitan's Qwen3-MoE under its apply_moe_ep_tp against "
-            "FSDPTurbo's ep_plan) is still to be added: FSDPTurbo's GroupedExperts expert form, which it needs, "
-            "landed while this benchmark was being written (its parity test: peer_tests/test_peer_torchtitan_moe.py).")
-LAYOUTS = {  # name -> (fsdp, tp, our config)
-    "fsdp4": (4, 1, {"fully_shard_parallel_size": 4, "fsdp_plan": FSDP_UNITS}),
-    "fsdp2_tp2": (2, 2, {"fully_shard_parallel_size": 2, "tensor_parallel_size": 2, "fsdp_plan": FSDP_UNITS,
-                         "tp_plan": TITAN_APPLY_TP}),
+# torchtitan's Qwen3-MoE "debugmodel_moe", smaller: 2 layers, dim 128, 8 experts top-2.
+QWEN3_MOE = {"n_layers": 2, "dim": 128, "n_heads": 8, "n_kv_heads": 4, "head_dim": 16, "hidden_dim": 256,
+             "moe_inter_dim": 128, "vocab_size": 2048, "max_seq_len": 256, "attn_type": "sdpa"}
+MOE = {"num_experts": 8, "top_k": 2, "use_grouped_mm": False}  # grouped_mm's permute is a Triton kernel
+LAYOUTS = {  # name -> (model, fsdp, tp, our config)
+    "fsdp4": ("llama3", 4, 1, {"fully_shard_parallel_size": 4, "fsdp_plan": FSDP_UNITS}),
+    "fsdp2_tp2": ("llama3", 2, 2, {"fully_shard_parallel_size": 2, "tensor_parallel_size": 2,
+                                   "fsdp_plan": FSDP_UNITS, "tp_plan": TITAN_APPLY_TP}),
+    "moe_fsdp4": ("qwen3_moe", 4, 1, {"fully_shard_parallel_size": 4, "fsdp_plan": FSDP_UNITS}),
 }
 
 
@@ -98,14 +108,64 @@ def titan_llama(seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def torchtitan_parallelized(model: torch.nn.Module, fsdp: int, tp: int):
-    """torchtitan's own path: ParallelDims + JobConfig + parallelize_llama. Returns the
+def titan_qwen3_moe(seed: int = 0) -> torch.nn.Module:
+    import dataclasses
+
+    from torchtitan.models.qwen3 import Qwen3Model, qwen3_args
+
+    args = dataclasses.replace(qwen3_args["debugmodel_moe"], **QWEN3_MOE)
+    args.moe_args = dataclasses.replace(args.moe_args, **MOE)
+    torch.manual_seed(seed)
+    model = Qwen3Model(args)
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+MODELS = {"llama3": (titan_llama, "torchtitan.models.llama3.infra.parallelize", "parallelize_llama"),
+          "qwen3_moe": (titan_qwen3_moe, "torchtitan.models.qwen3.infra.parallelize", "parallelize_qwen3")}
+
+
+@contextmanager
+def cpu_histc() -> Iterator[None]:
+    """torchtitan's MoE counts tokens with ``torch.histc`` on int64, which the CPU build
+    lacks: count in float32 (exact for small integers), as the MoE peer tests do."""
+    original = torch.histc
+
+    def histc(input: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if input.is_floating_point():
+            return original(input, *args, **kwargs)
+        return original(input.float(), *args, **kwargs).to(input.dtype)
+
+    torch.histc = histc
+    try:
+        yield
+    finally:
+        torch.histc = original
+
+
+def _expert_parallel_failure() -> str:
+    """Why torchtitan's apply_moe_ep_tp cannot run here: its ExpertParallel token dispatch
+    permutes the received rows with ``_permute``, as it would on 2 EP ranks."""
+    from torchtitan.models.moe.utils import _permute
+
+    try:
+        _permute(torch.zeros(8, 4), torch.full((4,), 2), 2, 2)
+    except RuntimeError as error:  # printed verbatim: the reason the MoE row has no EP
+        return (f"torchtitan's apply_moe_ep_tp cannot run here: its ExpertParallel token dispatch calls "
+                f"torchtitan.models.moe.utils._permute, whose generate_permute_indices is a Triton kernel, and "
+                f"fails: {type(error).__name__}: {error}; so the MoE row compares FSDP=4 without EP "
+                f"(parallelize_qwen3 with ep=1: every block, its experts inside, one FSDP unit on both sides)")
+    return "torchtitan's ExpertParallel permute ran here; this benchmark has no EP row yet"
+
+
+def torchtitan_parallelized(model: torch.nn.Module, kind: str, fsdp: int, tp: int):
+    """torchtitan's own path: ParallelDims + JobConfig + parallelize_llama / _qwen3. Returns the
     model, its data-parallel rank and size, and what on this machine needed adjusting, why."""
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
-    from torchtitan.models.llama3.infra.parallelize import parallelize_llama
 
     dims = ParallelDims(dp_replicate=1, dp_shard=fsdp, cp=1, tp=tp, pp=1, ep=1, etp=1,
                         world_size=dist.get_world_size())
@@ -127,8 +187,9 @@ def torchtitan_parallelized(model: torch.nn.Module, fsdp: int, tp: int):
     job.parallelism.disable_loss_parallel = False
     job.activation_checkpoint.mode = "none"
     job.compile.enable = False
-    parallelize_llama(model, dims, job)
-    sum_why = _premul_sum_failure(dims.get_mesh("fsdp").get_group())
+    _, module, function = MODELS[kind]
+    getattr(importlib.import_module(module), function)(model, dims, job)
+    sum_why = _premul_sum_failure(dims.get_mesh("fsdp").get_group(), function)
     if sum_why:
         from torch.distributed.fsdp import FSDPModule
 
@@ -141,7 +202,7 @@ def torchtitan_parallelized(model: torch.nn.Module, fsdp: int, tp: int):
     return model, batch.get_local_rank(), batch.size(), [w for w in (why, sum_why) if w]
 
 
-def _premul_sum_failure(group) -> str | None:
+def _premul_sum_failure(group, function: str) -> str | None:
     """parallelize_llama sets every FSDP unit's gradient divide factor to 1.0 (its loop
     divides the loss by the global token count); FSDP2 turns that into the reduce-scatter
     op returned here. Try it once, as FSDP2 would call it, and say why it fails if it does."""
@@ -152,7 +213,7 @@ def _premul_sum_failure(group) -> str | None:
     try:
         dist.reduce_scatter_tensor(torch.zeros(1), torch.zeros(group.size()), op=op, group=group)
     except RuntimeError as error:  # printed verbatim: the reason for the workaround
-        return (f"parallelize_llama's apply_fsdp calls set_gradient_divide_factor(1.0) on every unit, which FSDP2 "
+        return (f"{function}'s apply_fsdp calls set_gradient_divide_factor(1.0) on every unit, which FSDP2 "
                 f"reduce-scatters with a pre-multiplied sum (ReduceOp.PREMUL_SUM(1.0)), and "
                 f"{dist.get_backend(group)} fails: {error}; so every unit of the torchtitan model is set to "
                 f"set_force_sum_reduction_for_comms(True) (a plain SUM, the sum torchtitan asks for)")
@@ -236,16 +297,22 @@ def _collective_bytes(side: Side, inputs, labels) -> dict[str, int]:
 
 
 def _peak_activation(side: Side, inputs, labels) -> int:
-    """MemTracker's peak during forward + backward, less parameters and gradients (as the
-    Ulysses and context-parallel benches measure it)."""
+    """MemTracker's peak during forward + backward, less the sharded parameters the model
+    holds anyway: activations, temporaries, gathered parameters and gradients. Not less
+    its PARAM and GRAD labels (as the Ulysses bench does): MemTracker labels a gathered
+    parameter PARAM or activation depending on which FSDP unit holds it, so those labels
+    would compare names, not bytes."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in side.model.parameters())
     tracker = MemTracker()
     tracker.track_external(side.model)
     with tracker:
         side.forward_backward(inputs, labels)
-        peak = {str(k): v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     side.optimizer.step()
     side.optimizer.zero_grad(set_to_none=True)
-    return peak["Total"] - peak.get("_MemRefType.PARAM", 0) - peak.get("_MemRefType.GRAD", 0)
+    return next(v for k, v in peak.items() if str(k) == "Total") - sharded
 
 
 def _model_state(side: Side, inputs, labels) -> int:
@@ -269,9 +336,12 @@ def rank_main(layout: str, steps: int) -> dict:
     from fsdp_turbo.core.testing import make_token_batches, shard_rows
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
-    fsdp, tp, config = LAYOUTS[layout]
-    ours_model = FSDPTurbo(config, titan_llama())
-    theirs_model, dp_rank, dp_size, why = torchtitan_parallelized(titan_llama(), fsdp, tp)
+    kind, fsdp, tp, config = LAYOUTS[layout]
+    build = MODELS[kind][0]
+    ours_model = FSDPTurbo(config, build())
+    theirs_model, dp_rank, dp_size, why = torchtitan_parallelized(build(), kind, fsdp, tp)
+    if kind == "qwen3_moe":
+        why.append(_expert_parallel_failure())
     state = ours_model.parallel_state
     if (dp_rank, dp_size) != (state.dp_rank, state.dp_size):
         raise RuntimeError(f"data ranks differ: torchtitan {(dp_rank, dp_size)}, ours {(state.dp_rank, state.dp_size)}")
@@ -286,16 +356,17 @@ def rank_main(layout: str, steps: int) -> dict:
     data = [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in batches]
     times = {name: [] for name in sides}
     losses = {name: [] for name in sides}
-    for step, (inputs, labels) in enumerate(data[:WARMUP + steps]):
-        for name in ("ours", "theirs") if step % 2 == 0 else ("theirs", "ours"):
-            elapsed, loss = _timed(sides[name], inputs, labels)
-            losses[name].append(loss)
-            if step >= WARMUP:
-                times[name].append(elapsed)
     measures = {"bytes": _collective_bytes, "activation": _peak_activation, "state": _model_state}
     out = {"times": times, "losses": losses, "why": why}
-    for (key, measure), (inputs, labels) in zip(measures.items(), data[WARMUP + steps:], strict=True):
-        out[key] = {name: measure(side, inputs, labels) for name, side in sides.items()}
+    with cpu_histc():
+        for step, (inputs, labels) in enumerate(data[:WARMUP + steps]):
+            for name in ("ours", "theirs") if step % 2 == 0 else ("theirs", "ours"):
+                elapsed, loss = _timed(sides[name], inputs, labels)
+                losses[name].append(loss)
+                if step >= WARMUP:
+                    times[name].append(elapsed)
+        for (key, measure), (inputs, labels) in zip(measures.items(), data[WARMUP + steps:], strict=True):
+            out[key] = {name: measure(side, inputs, labels) for name, side in sides.items()}
     return out
 
 
@@ -310,7 +381,7 @@ def report_layout(layout: str, per_rank: list[dict]) -> None:
             raise SystemExit(f"{layout}: the two runs disagree: losses {first['losses']}")
     for why in first["why"]:
         print(f"  torchtitan on this machine: {why}")
-    label = f"{layout} ({WORLD} ranks) vs torchtitan's parallelize_llama"
+    label = f"{layout} ({WORLD} ranks) vs torchtitan's {MODELS[LAYOUTS[layout][0]][2]}"
     times = first["times"]  # a step ends at a barrier: every rank measures the same wall time
     ours_t, theirs_t = statistics.median(times["ours"]), statistics.median(times["theirs"])
     paired = statistics.median(a / b for a, b in zip(times["ours"], times["theirs"], strict=True))
@@ -339,15 +410,15 @@ def main() -> None:
     from fsdp_turbo.core.testing import run_distributed
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = parser.parse_args()
-    print(f"torchtitan 0.2.2 Llama 3 {LLAMA}, attn sdpa, {WORLD} gloo ranks, {ROWS} x {SEQ} tokens per data rank")
+    print(f"torchtitan 0.2.2 Llama 3 {LLAMA}, attn sdpa; Qwen3-MoE {QWEN3_MOE} {MOE}; {WORLD} gloo ranks, "
+          f"{ROWS} x {SEQ} tokens per data rank")
     print(f"settings: {SETTINGS}")
     for layout in args.layouts:
-        print(f"{layout}: ours {LAYOUTS[layout][2]}")
+        print(f"{layout}: ours {LAYOUTS[layout][3]}")
         report_layout(layout, run_distributed(rank_main, WORLD, layout, args.steps, timeout=900))
-    print(MOE_NOTE)
 
 
 if __name__ == "__main__":
