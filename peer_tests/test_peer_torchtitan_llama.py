@@ -22,6 +22,12 @@ LAYOUTS = {
     "fsdp2 x tp2, sequence and loss parallel": {
         **FSDP, "fully_shard_parallel_size": 2, "tensor_parallel_size": 2,
         "tp_plan": {**TITAN_SP, "colwise_parallel": [*TITAN_SP["colwise_parallel"], "output"], "loss_parallel": True}},
+    # torchtitan's own units: the embedding, each block, and [norm, output] as one unit that
+    # keeps its parameters from forward to backward
+    "fsdp4, torchtitan's units": {"fsdp_plan": {"apply_modules": ["tok_embeddings", *TITAN_BLOCKS],
+                                                "unit_groups": [["norm", "output"]],
+                                                "keep_after_forward": ["output"]},
+                                  "fully_shard_parallel_size": 4},
     "fsdp4 + full recompute": {**FSDP, "fully_shard_parallel_size": 4, "recompute": True,
                                "recompute_plan": TITAN_BLOCKS},
     "fsdp4 + selective recompute": {**FSDP, "fully_shard_parallel_size": 4, "recompute": True,

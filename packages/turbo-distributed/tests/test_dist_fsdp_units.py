@@ -106,3 +106,17 @@ def test_kept_units_are_named_units():
     assert select_units(model, FSDPPlanConfig()).kept == ()
     with pytest.raises(ConfigError, match=r"fsdp_plan\.keep_after_forward.*not an FSDP unit"):
         select_units(model, FSDPPlanConfig(keep_after_forward=["lm_head"]))
+
+
+def test_unit_groups_make_one_unit_in_model_order():
+    model = tiny_hf_causal_lm("llama", num_hidden_layers=2)
+    plan = FSDPPlanConfig(apply_modules=["model.layers.*"], unit_groups=[["model.norm", "lm_head"]],
+                          keep_after_forward=["lm_head"])
+    selection = select_units(model, plan)
+    assert list(selection.units) == ["model.layers.0", "model.layers.1", "model.norm"]
+    assert selection.groups == {"model.norm": ("model.norm", "lm_head")}
+    assert selection.kept == ("model.norm",)  # the group that holds lm_head
+    with pytest.raises(ConfigError, match=r"fsdp_plan\.unit_groups.*two FSDP units"):
+        select_units(model, FSDPPlanConfig(apply_modules=["model.layers.*"], unit_groups=[["model.layers.1.mlp"]]))
+    with pytest.raises(ConfigError, match=r"fsdp_plan\.unit_groups"):
+        FSDPPlanConfig(unit_groups="model.norm")

@@ -83,6 +83,12 @@ class FSDPPlanConfig(ConfigSection):
     unit (torchtitan's choice). Then it is gathered when forward reaches it, not when
     forward starts, and its gradients reduce-scatter as soon as its backward ends, not
     with the root's at the end of backward: the same bytes, less memory held.
+
+    ``unit_groups`` makes several modules one unit (one all-gather and one reduce-scatter
+    for all of them): each entry is a list of patterns, such as ``[["norm", "output"]]``
+    for a final norm and the head (torchtitan's unit; otherwise the norm is the root's).
+    A grouped module is in no other unit; the group takes the place of its first module
+    in model order, for prefetching and for ``keep_after_forward``.
     """
 
     _prefix: ClassVar[str] = "fsdp_plan"
@@ -95,6 +101,7 @@ class FSDPPlanConfig(ConfigSection):
     cast_forward_inputs: bool = True
     reshard_after_forward: bool | int | None = None
     keep_after_forward: tuple[str, ...] = ()
+    unit_groups: tuple[tuple[str, ...], ...] = ()
     num_to_forward_prefetch: int = 0
     num_to_backward_prefetch: int = 0
     cpu_offload: bool = False
@@ -104,6 +111,13 @@ class FSDPPlanConfig(ConfigSection):
         _set(self, "apply_modules", check_optional_patterns(self.apply_modules, f"{p}.apply_modules"))
         _set(self, "ignored_modules", check_patterns(self.ignored_modules, f"{p}.ignored_modules"))
         _set(self, "keep_after_forward", check_patterns(self.keep_after_forward, f"{p}.keep_after_forward"))
+        if isinstance(self.unit_groups, str) or not isinstance(self.unit_groups, list | tuple):
+            raise ConfigError(f"{p}.unit_groups", self.unit_groups, "give a list of pattern lists, e.g. "
+                              "[['norm', 'output']]")
+        groups = tuple(check_patterns(group, f"{p}.unit_groups") for group in self.unit_groups)
+        if any(not group for group in groups):
+            raise ConfigError(f"{p}.unit_groups", [list(g) for g in groups], "drop the empty group")
+        _set(self, "unit_groups", groups)
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             _set(self, name, parse_dtype(getattr(self, name), f"{p}.{name}"))
         check_bool(self.cast_forward_inputs, f"{p}.cast_forward_inputs")

@@ -65,11 +65,15 @@ class FSDPPlan(FeaturePlan):
     shards: int  # fsdp x cp
     expert_shards: int  # efsdp
     kept: tuple[str, ...] = ()
+    groups: tuple[tuple[str, ...], ...] = ()  # units of several modules (the first names the unit)
+
+    def members(self, unit: str) -> tuple[str, ...]:
+        return next((group for group in self.groups if group[0] == unit), (unit,))
 
     def describe(self) -> tuple[PlanRow, ...]:
         kept = (PlanRow("fsdp_plan.keep_after_forward", self.kept),) if self.kept else ()
-        return (PlanRow("fsdp_plan.apply_modules", self.units), PlanRow("fsdp_plan.ignored_modules", self.ignored),
-                *kept)
+        units = tuple(" + ".join(self.members(unit)) for unit in self.units)
+        return (PlanRow("fsdp_plan.apply_modules", units), PlanRow("fsdp_plan.ignored_modules", self.ignored), *kept)
 
     def estimate(self, memory: MemoryModel) -> None:
         for name, layout in memory.params.items():
@@ -111,7 +115,8 @@ def plan_fully_shard(model: nn.Module, settings: FSDPPlanConfig, state: Parallel
     units = tuple(selection.units)
     forward, backward = _prefetch(units, experts, settings, chunked_head)
     return FSDPPlan(settings, units, tuple(selection.ignored), experts, forward, backward,
-                    state.fsdp_size * state.cp_size, state.efsdp_size, selection.kept)
+                    state.fsdp_size * state.cp_size, state.efsdp_size, selection.kept,
+                    tuple(selection.groups.values()))
 
 
 class FullyShardTransform(Transform):
@@ -139,7 +144,9 @@ class FullyShardTransform(Transform):
             "offload_policy": offload_policy(settings, parallel_state.device_type),
             "ignored_params": ignored,
         }
-        units = [model.get_submodule(name) for name in plan.units]
+        # a unit of several modules is one fully_shard call on their list
+        units = [[model.get_submodule(m) for m in plan.members(name)] if len(plan.members(name)) > 1
+                 else model.get_submodule(name) for name in plan.units]
         unit_kwargs = {"mp_policy": mixed_precision_policy(settings, root=False),
                        "reshard_after_forward": reshard_after_forward(settings, root=False),
                        "offload_policy": options["offload_policy"]}
