@@ -20,8 +20,9 @@ Each rank builds the model twice from one seed (``init_weights()`` under ``no_gr
 Settings, the same on both sides (``SETTINGS`` below, printed): float32 parameters and
 reductions (``MixedPrecisionPolicy(float32, float32)``); torchtitan's default FSDP units
 and reshard policy (``fsdp_reshard_after_forward="default"``: the embedding and every
-block reshard after forward, norm + output do not; ours: ``fsdp_plan.apply_modules`` with
-the head as a unit and ``fsdp_plan.keep_after_forward=["output"]``); no recompute, no
+block reshard after forward, norm + output do not; ours: the same units, by
+``fsdp_plan.apply_modules``, ``unit_groups=[["norm", "output"]]`` and
+``keep_after_forward=["output"]``); no recompute, no
 compile. FSDP=2 x TP=2 is torchtitan's ``apply_tp``: embedding rowwise, sequence parallel norms, q/k/v and
 w1/w3 colwise, wo/w2 rowwise, the output head colwise with loss parallel, written as an
 FSDPTurbo ``tp_plan``. Each side trains with its own loop convention: torchtitan sums the
@@ -55,9 +56,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import statistics
+import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -66,20 +67,23 @@ from comm_volume import CollectiveBytes  # the same byte count as the comm-volum
 from report import result
 from torch.distributed._tools.mem_tracker import MemTracker
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "peer_tests"))
+from titan_moe_jobs import cpu_histc  # the peer tests' shim for the CPU build's gap
+
 WORLD, WARMUP, ROWS, SEQ = 4, 3, 2, 128  # ROWS: sequences per data-parallel rank
 # torchtitan's Llama 3 "debugmodel" (dim 256, 16 heads, vocab 2048), 4 layers, GQA 2:1.
 LLAMA = {"dim": 256, "n_layers": 4, "n_heads": 16, "n_kv_heads": 8, "vocab_size": 2048, "multiple_of": 256,
          "max_seq_len": 256, "rope_theta": 500000}
 SETTINGS = ("float32 parameters and reductions on both sides (MixedPrecisionPolicy(float32, float32)); "
             "FSDP units: tok_embeddings and each of layers.* reshard after forward, the output head does not "
-            "(torchtitan's fsdp_reshard_after_forward='default': one unit of norm + output; ours: output, with the "
-            "norm in the root); no recompute, no compile, no explicit prefetch; AdamW lr 1e-4")
+            "(torchtitan's fsdp_reshard_after_forward='default': one unit of norm + output; ours: the same unit, "
+            "by unit_groups); no recompute, no compile, no explicit prefetch; AdamW lr 1e-4")
 NORMS = ["layers.*.attention_norm", "layers.*.ffn_norm", "norm"]
 # torchtitan's apply_fsdp units: the embedding, each block, then norm + output in one unit
-# that keeps its parameters after forward. Ours: the head as its own unit, kept after
-# forward (fsdp_plan.keep_after_forward); the final norm (256 floats) stays in the root.
-FSDP_UNITS = {"apply_modules": ["tok_embeddings", "layers.*", "output"], "keep_after_forward": ["output"],
-              "param_dtype": "float32", "reduce_dtype": "float32"}
+# that keeps its parameters after forward. Ours, the same: fsdp_plan.unit_groups makes
+# norm + output one unit, fsdp_plan.keep_after_forward keeps it.
+FSDP_UNITS = {"apply_modules": ["tok_embeddings", "layers.*"], "unit_groups": [["norm", "output"]],
+              "keep_after_forward": ["output"], "param_dtype": "float32", "reduce_dtype": "float32"}
 # torchtitan's apply_tp, as an FSDPTurbo tp_plan (patterns on its names).
 TITAN_APPLY_TP = {
     "colwise_parallel": ["layers.*.attention.wq", "layers.*.attention.wk", "layers.*.attention.wv",
@@ -124,24 +128,6 @@ def titan_qwen3_moe(seed: int = 0) -> torch.nn.Module:
 
 MODELS = {"llama3": (titan_llama, "torchtitan.models.llama3.infra.parallelize", "parallelize_llama"),
           "qwen3_moe": (titan_qwen3_moe, "torchtitan.models.qwen3.infra.parallelize", "parallelize_qwen3")}
-
-
-@contextmanager
-def cpu_histc() -> Iterator[None]:
-    """torchtitan's MoE counts tokens with ``torch.histc`` on int64, which the CPU build
-    lacks: count in float32 (exact for small integers), as the MoE peer tests do."""
-    original = torch.histc
-
-    def histc(input: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if input.is_floating_point():
-            return original(input, *args, **kwargs)
-        return original(input.float(), *args, **kwargs).to(input.dtype)
-
-    torch.histc = histc
-    try:
-        yield
-    finally:
-        torch.histc = original
 
 
 def _expert_parallel_failure() -> str:
