@@ -19,9 +19,11 @@ FEATURE_PACKAGES = {
 }
 ALL_PACKAGES = ("turbo-core", "turbo-distributed", "turbo-memory", "turbo-quant", "fsdp-turbo")
 # loadgroup: a module marked xdist_group runs on one worker (its module fixtures are built once)
-PYTEST = ("pytest", "-n", "2", "--dist", "loadgroup", "--timeout", "900")
+# --durations: the slowest tests in every CI log, to keep CI inside its time
+PYTEST = ("pytest", "-n", "2", "--dist", "loadgroup", "--timeout", "900", "--durations", "15")
 
-nox.options.sessions = ["lint", "build", "core", *FEATURE_PACKAGES, "quant_triton", "integration", "peers"]
+# quant_triton's tests run at the end of the quant session (one environment fewer).
+nox.options.sessions = ["lint", "build", "core", *FEATURE_PACKAGES, "integration", "peers"]
 nox.options.reuse_existing_virtualenvs = False
 
 
@@ -67,9 +69,16 @@ def _feature_session(short: str, dist: str) -> None:
     def run(session: nox.Session) -> None:
         _install(session, _package("turbo-core"), _package(dist, "[test]"))
         session.run(*PYTEST, f"packages/{dist}/tests", *session.posargs)
+        if short == "quant":  # then, in the same environment, with triton added (a venv less in CI)
+            _triton_tests(session)
 
-    run.__doc__ = f"{dist} with only turbo-core installed."
+    run.__doc__ = f"{dist} with only turbo-core installed" + (", then its Triton kernels" if short == "quant" else "")
     nox.session(name=short)(run)
+
+
+def _triton_tests(session: nox.Session) -> None:
+    session.install(*CONSTRAINTS, "triton")
+    session.run("pytest", "--timeout", "900", "packages/turbo-quant/tests/test_quant_triton.py", *session.posargs)
 
 
 for _short, _dist in FEATURE_PACKAGES.items():
@@ -79,8 +88,8 @@ for _short, _dist in FEATURE_PACKAGES.items():
 @nox.session
 def quant_triton(session: nox.Session) -> None:
     """turbo-quant's Triton kernels, bit-exact vs the portable ones under Triton's CPU interpreter."""
-    _install(session, _package("turbo-core"), _package("turbo-quant", "[test]"), "triton")
-    session.run("pytest", "--timeout", "900", "packages/turbo-quant/tests/test_quant_triton.py", *session.posargs)
+    _install(session, _package("turbo-core"), _package("turbo-quant", "[test]"))
+    _triton_tests(session)
 
 
 @nox.session
