@@ -111,7 +111,6 @@ class ChunkedLossHandle:
         self._produced = False
         self._base_class = type(head)
         self._hf = settings.hf
-        self._warned = False
         self._pending = None  # the lm_loss request the head is answering
         setattr(head, HANDLE_ATTR, self)
         head.__class__ = _HeadClassCache.chunking(type(head))
@@ -152,10 +151,8 @@ class ChunkedLossHandle:
         return _Request(None, pending.labels, pending.num_items)
 
     def _warn_full_logits(self) -> None:
-        if not self._warned:
-            self._warned = True
-            warn_once(_log, f"chunk_loss: {type(self.model).__name__} returned its full logits: the chunked loss runs "
-                      "only when the loop asks for the loss with fsdp_turbo.fsdp_turbo.lm_loss(model, labels, ...)")
+        warn_once(_log, f"chunk_loss: {type(self.model).__name__} returned its full logits: the chunked loss runs "
+                  "only when the loop asks for the loss with fsdp_turbo.fsdp_turbo.lm_loss(model, labels, ...)")
 
     def take_loss(self) -> torch.Tensor | None:
         loss, self._loss = self._loss, None
