@@ -6,7 +6,7 @@ import torch
 
 from fsdp_turbo.core.testing import TrainRecord, make_token_batches, shard_rows, train_steps
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
-from fsdp_turbo.core.testing.parity import full_tensor
+from fsdp_turbo.core.testing.parity import full_tensor, replay_steps
 
 STEPS = 3
 BATCHES = make_token_batches(vocab_size=256, global_batch=8, seq_len=16, steps=STEPS)
@@ -68,7 +68,7 @@ def _optimizer_factory(technique: str | None, plain: bool):
 
 
 def composed_run(kind: str, extra: dict, technique: str | None = None, plain: bool = False,
-                 ) -> tuple[TrainRecord, dict[str, torch.Tensor]]:
+                 record_params: bool = False) -> tuple[TrainRecord, dict[str, torch.Tensor]]:
     """FSDP=2 x TP=2 plus ``extra`` config fields, or plus ``technique``'s plain API."""
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
@@ -77,7 +77,8 @@ def composed_run(kind: str, extra: dict, technique: str | None = None, plain: bo
         _plain_api(model, technique)
     state = model.parallel_state
     local = [shard_rows(b, state.dp_rank, state.dp_size) for b in BATCHES]
-    record = train_steps(model, local, loss_fn=labelled_loss, optimizer_factory=_optimizer_factory(technique, plain))
+    record = train_steps(model, local, loss_fn=labelled_loss, optimizer_factory=_optimizer_factory(technique, plain),
+                         record_params=record_params)
     return record, _params(model)
 
 
@@ -123,19 +124,29 @@ def fsdp_collectives_per_step(chunk_size: int) -> dict[str, int]:
 MX_PLAN = {"quant_format": "E4M3", "block_size": 32, "ignored_modules": ["*.k_proj", "*.v_proj"]}
 
 
-def mx_reference_run(kind="llama"):
+def _mx_model(kind: str):
     from fsdp_turbo.fsdp_turbo_config import QuantizeConfig
     from fsdp_turbo.quantization.converter import convert_model
 
     model = tiny_hf_causal_lm(kind)
     convert_model(model, QuantizeConfig(**MX_PLAN))
+    return model
+
+
+def mx_reference_run(kind="llama"):
+    model = _mx_model(kind)
     record = train_steps(model, BATCHES, loss_fn=labelled_loss)
     return record, _params(model)
 
 
-def mx_composed_run(kind: str, extra: dict):
+def mx_replay_run(kind: str, params: list[dict[str, torch.Tensor]]) -> TrainRecord:
+    """The emulated-MX model in one process, each step started from a candidate's weights."""
+    return replay_steps(_mx_model(kind), BATCHES, params, loss_fn=labelled_loss)
+
+
+def mx_composed_run(kind: str, extra: dict, record_params: bool = False):
     """FSDP=2 x TP=2 (SP, loss-parallel head) with MXFP8 linears, plus ``extra`` config fields."""
-    return composed_run(kind, {"quantization_plan": MX_PLAN, **extra})
+    return composed_run(kind, {"quantization_plan": MX_PLAN, **extra}, record_params=record_params)
 
 
 def fsdp_head_unit_run(kind: str = "llama"):
@@ -150,7 +161,7 @@ def fsdp_head_unit_run(kind: str = "llama"):
     return train_steps(model, local, loss_fn=labelled_loss), _params(model)
 
 
-def mx_ep_run(dispatcher: str):
+def mx_ep_run(dispatcher: str, record_params: bool = False):
     """MXFP8 (Linear layers and fused experts) with FSDP over every rank x EP=2."""
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
@@ -160,7 +171,7 @@ def mx_ep_run(dispatcher: str):
     state = model.parallel_state
     experts = type(model.get_submodule("model.layers.0.mlp.experts")).__name__
     local = [shard_rows(b, state.dp_rank, state.dp_size) for b in BATCHES]
-    return train_steps(model, local, loss_fn=labelled_loss), _params(model), experts
+    return train_steps(model, local, loss_fn=labelled_loss, record_params=record_params), _params(model), experts
 
 
 # MoE top-k routing is discontinuous: after a few AdamW steps a reduction-order difference

@@ -56,6 +56,11 @@ def get_logger(name: str = _ROOT) -> RankLogger:
     return RankLogger(logger, {})
 
 
+def forget_warnings() -> None:
+    """Let every warn-once message be warned again (a test rank reused for the next test)."""
+    _seen.clear()
+
+
 def warn_once(logger: RankLogger, message: str, *, all_ranks: bool = False) -> None:
     """Warn the first time ``message`` is seen in this process."""
     if message in _seen:

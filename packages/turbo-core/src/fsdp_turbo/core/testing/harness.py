@@ -22,16 +22,16 @@ from typing import Any
 TEST_DEVICE_ENV = "FSDP_TURBO_TEST_DEVICE"
 _POLL_S = 0.05
 _GRACE_S = 15.0
-# Ranks fork from a server that imported these once, so a 4-rank test does not pay
-# four imports of torch and transformers. Missing modules are skipped silently.
+# Ranks fork from a server that imported these once (``warm`` adds every installed FSDPTurbo
+# transform), so a test does not pay for imports of torch, transformers and FSDPTurbo in
+# each rank. Modules that fail to import are skipped by the forkserver.
 PRELOAD = (
     "torch",
-    "torch.distributed.fsdp",
-    "torch.distributed.tensor",
     "transformers",
     "transformers.models.llama.modeling_llama",
     "transformers.models.qwen3.modeling_qwen3",
     "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "fsdp_turbo.core.testing.warm",
 )
 _context: mp.context.BaseContext | None = None
 
@@ -72,21 +72,39 @@ def device_under_test() -> str:
     return os.environ.get(TEST_DEVICE_ENV, "cpu").lower()
 
 
+def _rank_environment(rank: int, world_size: int) -> dict[str, str]:
+    """What torchrun would set for a rank on this one host."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "FSDP_TURBO_DEVICE": device_under_test()}
+
+
+def _join_group(rank: int, world_size: int, port: int, backend: str) -> None:
+    """Join the call's process group, and return only once every rank has joined it.
+
+    ``init_process_group`` no longer waits for the peers (torch removed its barrier), so a
+    rank whose test fails at once, before any collective, could close its connections
+    while a slower peer is still connecting, and that peer would fail with gloo's
+    "Connection closed by peer" instead of the test's own error.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    dist.barrier()
+
+
 def _worker(rank: int, world_size: int, port: int | None, backend: str, num_threads: int,
             fn: Callable[..., Any], args: tuple, kwargs: dict, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      FSDP_TURBO_DEVICE=device_under_test())
+    os.environ.update(_rank_environment(rank, world_size))
     if port is not None:
         os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(num_threads)
     try:
         if port is not None:
-            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+            _join_group(rank, world_size, port, backend)
         outcome = _Outcome(True, fn(*args, **kwargs))
     except BaseException as error:
         outcome = _Outcome(False, error, traceback.format_exc())
@@ -138,8 +156,19 @@ def run_distributed(
     test can check that every rank raised the same error. Exceeding ``timeout``
     kills every rank and raises ``TimeoutError``. The backend follows
     ``$FSDP_TURBO_TEST_DEVICE`` (gloo on cpu, the default).
+
+    Inside :func:`~fsdp_turbo.core.testing.pool.pooled_ranks` the call runs on the pool's
+    ranks for ``world_size`` (started once, each call in a fresh process group); otherwise
+    on ranks forked for this call alone.
     """
     import torch.distributed as dist
+
+    from fsdp_turbo.core.testing.pool import active_pool
+
+    pool = active_pool(world_size) if backend is None and num_threads == 1 else None
+    if pool is not None:
+        return pool.run(fn, *args, timeout=timeout, init_process_group=init_process_group,
+                        return_exceptions=return_exceptions, **kwargs)
 
     from fsdp_turbo.core.device import backend_for
 

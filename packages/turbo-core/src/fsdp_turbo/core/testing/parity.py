@@ -1,4 +1,17 @@
-"""Train a few steps and compare against a reference: losses each step, first-step gradients."""
+"""Train a few steps and compare against a reference: losses each step, first-step gradients.
+
+Quantized training needs one more tool. FP8 rounding is discontinuous: a last-bit difference
+in a weight (another reduction order, another CPU's kernels) moves an element that sits on a
+rounding boundary by a whole FP8 step, and AdamW then spreads that. Two runs that agree at
+step 0 can therefore drift apart by more than float32 tolerances, and by how much depends on
+the machine. :func:`replay_steps` removes the drift instead of loosening the tolerance: the
+reference starts every step from the candidate's own weights (recorded with
+``train_steps(..., record_params=True)``), so each step quantizes the same weights into the
+same blocks, as the first step does, and :func:`assert_stepwise_parity` holds every step to
+the float32 tolerances. By induction the candidate's whole trajectory is one the reference
+takes: step k's update from the same weights and (matching) gradients lands on step k+1's
+weights.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +31,10 @@ class TrainRecord:
     losses: list[float] = field(default_factory=list)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     grad_norms: list[float] = field(default_factory=list)
+    # With record_params: the full weights before each step and after the last (steps + 1
+    # entries), and every step's full gradients.
+    params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    step_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 def seed_everything(seed: int) -> None:
@@ -79,30 +96,106 @@ def train_steps(
     optimizer_factory: Callable[..., torch.optim.Optimizer] | None = None,
     record_grads: bool = True,
     clip_grad_norm: float | None = None,
+    record_params: bool = False,
 ) -> TrainRecord:
     """Train on ``batches`` (already this rank's shard) with AdamW; record losses and step-0 grads.
 
     The loss is averaged over all ranks, which equals the global-batch loss when
     every data shard holds the same number of tokens. With ``clip_grad_norm`` the
     gradients are clipped with ``torch.nn.utils.clip_grad_norm_`` after the step-0
-    gradients are recorded, and each step's total norm is recorded.
+    gradients are recorded, and each step's total norm is recorded. With ``record_params``
+    the full weights before each step and after the last, and every step's gradients, are
+    recorded for :func:`replay_steps`.
     """
     params = list(model.parameters())
     device = params[0].device
     optimizer = (optimizer_factory or (lambda p: torch.optim.AdamW(p, lr=lr, foreach=False)))(params)
     record = TrainRecord()
     for step, batch in enumerate(batches):
+        if record_params:
+            record.params.append(_full_params(model))
         loss = loss_fn(model, batch.to(device))
         loss.backward()
         record.losses.append(_world_mean(loss))
-        if step == 0 and record_grads:
-            record.grads = {name: full_tensor(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+        if (step == 0 and record_grads) or record_params:
+            grads = {name: full_tensor(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+            record.grads = record.grads or grads
+            if record_params:
+                record.step_grads.append(grads)
         if clip_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
             record.grad_norms.append(float(full_tensor(norm)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    if record_params:
+        record.params.append(_full_params(model))
     return record
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: full_tensor(p) for name, p in model.named_parameters()}
+
+
+def replay_steps(
+    model: nn.Module,
+    batches: Sequence[torch.Tensor],
+    params: Sequence[dict[str, torch.Tensor]],
+    *,
+    lr: float = 1e-2,
+    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = causal_lm_loss,
+) -> TrainRecord:
+    """The one-process reference of a quantized run, replayed on the candidate's weights.
+
+    Before step k the model's weights are set to ``params[k]`` (the candidate's, from
+    ``train_steps(..., record_params=True)``); the step then runs as in :func:`train_steps`
+    (AdamW, its state carried from step to step). The record holds each step's loss and
+    gradients and, in ``params``, the weights each step produced (``params[k + 1]`` of a
+    faithful candidate). The candidate must start from this model's own weights, exactly:
+    replaying cannot hide a wrong start.
+    """
+    named = dict(model.named_parameters())
+    if set(named) != set(params[0]):
+        raise ValueError(f"parameter names differ from the candidate's: {sorted(set(named) ^ set(params[0]))}")
+    for name, value in params[0].items():
+        if not torch.equal(full_tensor(named[name]), value):
+            raise AssertionError(f"the candidate's initial {name} differs from the reference model's")
+    optimizer = torch.optim.AdamW(list(named.values()), lr=lr, foreach=False)
+    record = TrainRecord()
+    for step, batch in enumerate(batches):
+        with torch.no_grad():
+            for name, value in params[step].items():
+                named[name].copy_(value)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        record.losses.append(float(loss))
+        record.step_grads.append({name: full_tensor(p.grad) for name, p in named.items() if p.grad is not None})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        record.params.append(_full_params(model))
+    record.grads = record.step_grads[0]
+    return record
+
+
+def assert_stepwise_parity(replayed: TrainRecord, candidate: TrainRecord, *, loss_rtol: float = 1e-5,
+                           grad_rtol: float = 1e-4, grad_atol: float = 1e-6, param_atol: float = 1e-6) -> None:
+    """Every step of ``candidate`` against :func:`replay_steps` from the same weights.
+
+    Each step's loss (``loss_rtol``) and gradients (``grad_rtol`` / ``grad_atol``), and the
+    weights its update produced against the candidate's next weights (``param_atol``: AdamW
+    moves a weight by at most about lr per step, and gradients that agree to 1e-4 relative
+    move that update by well under 1e-6 at lr 1e-2).
+    """
+    steps = len(candidate.losses)
+    assert len(replayed.losses) == steps and len(candidate.params) == steps + 1, "record every step's weights"
+    for step in range(steps):
+        torch.testing.assert_close(candidate.losses[step], replayed.losses[step], rtol=loss_rtol, atol=0,
+                                   msg=lambda m, s=step: f"step {s}: losses differ from the same weights\n{m}")
+        for name, expected in replayed.step_grads[step].items():
+            torch.testing.assert_close(candidate.step_grads[step][name], expected, rtol=grad_rtol, atol=grad_atol,
+                                       msg=lambda m, s=step, n=name: f"step {s}: gradient of {n} differs\n{m}")
+        for name, expected in replayed.params[step].items():
+            torch.testing.assert_close(candidate.params[step + 1][name], expected, rtol=0, atol=param_atol,
+                                       msg=lambda m, s=step, n=name: f"step {s}: the update of {n} differs\n{m}")
 
 
 def assert_parity(reference: TrainRecord, candidate: TrainRecord, *, loss_rtol: float = 1e-5,
