@@ -6,7 +6,7 @@ from fsdp_turbo.core.testing import run_distributed
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.rank_pool]
 
 WORLD = 4
 CASES = {

@@ -8,7 +8,6 @@ rank's own traceback, and one deadline that kills every rank.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import shutil
@@ -16,81 +15,23 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-TEST_DEVICE_ENV = "FSDP_TURBO_TEST_DEVICE"
-_POLL_S = 0.05
-_GRACE_S = 15.0
-# Ranks fork from a server that imported these once (``warm`` adds every installed FSDPTurbo
-# transform), so a test does not pay for imports of torch, transformers and FSDPTurbo in
-# each rank. Modules that fail to import are skipped by the forkserver.
-PRELOAD = (
-    "torch",
-    "transformers",
-    "transformers.models.llama.modeling_llama",
-    "transformers.models.qwen3.modeling_qwen3",
-    "transformers.models.qwen3_moe.modeling_qwen3_moe",
-    "fsdp_turbo.core.testing.warm",
+from fsdp_turbo.core.testing.pool import active_pool
+from fsdp_turbo.core.testing.ranks import (
+    _GRACE_S,
+    _POLL_S,
+    TEST_DEVICE_ENV,
+    RankFailure,
+    _join_group,
+    _mp_context,
+    _Outcome,
+    _raise_from,
+    _rank_environment,
+    device_under_test,
 )
-_context: mp.context.BaseContext | None = None
 
-
-def _mp_context() -> mp.context.BaseContext:
-    global _context
-    if _context is None:
-        # forkserver: a clean single-threaded parent for every rank (unlike fork after
-        # OpenMP or store threads started), without spawn's cold imports.
-        _context = mp.get_context("forkserver")
-        _context.set_forkserver_preload(list(PRELOAD))
-    return _context
-
-
-class RankFailure(RuntimeError):
-    """A rank died without a picklable exception (or was killed)."""
-
-
-@dataclass
-class _Outcome:
-    ok: bool
-    value: Any = None
-    traceback: str = ""
-    # CLOCK_MONOTONIC is system-wide on Linux, so ranks' failure times compare.
-    when: float = field(default_factory=time.monotonic)
-
-
-class _RemoteTraceback(Exception):
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-
-    def __str__(self) -> str:
-        return "\n" + self.args[0]
-
-
-def device_under_test() -> str:
-    """The device the suite runs on: ``$FSDP_TURBO_TEST_DEVICE`` (cpu, cuda or npu), default cpu."""
-    return os.environ.get(TEST_DEVICE_ENV, "cpu").lower()
-
-
-def _rank_environment(rank: int, world_size: int) -> dict[str, str]:
-    """What torchrun would set for a rank on this one host."""
-    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "FSDP_TURBO_DEVICE": device_under_test()}
-
-
-def _join_group(rank: int, world_size: int, port: int, backend: str) -> None:
-    """Join the call's process group, and return only once every rank has joined it.
-
-    ``init_process_group`` no longer waits for the peers (torch removed its barrier), so a
-    rank whose test fails at once, before any collective, could close its connections
-    while a slower peer is still connecting, and that peer would fail with gloo's
-    "Connection closed by peer" instead of the test's own error.
-    """
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    dist.barrier()
+__all__ = ["TEST_DEVICE_ENV", "RankFailure", "device_under_test", "run_distributed", "run_reference"]
 
 
 def _worker(rank: int, world_size: int, port: int | None, backend: str, num_threads: int,
@@ -129,14 +70,6 @@ def _read(out_dir: str, rank: int) -> _Outcome | None:
         return pickle.load(handle)
 
 
-def _raise_from(rank: int, world_size: int, outcome: _Outcome) -> None:
-    error = outcome.value
-    if not isinstance(error, BaseException):
-        error = RankFailure(repr(error))
-    error.add_note(f"(raised on rank {rank} of {world_size})")
-    raise error from _RemoteTraceback(outcome.traceback)
-
-
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -162,8 +95,6 @@ def run_distributed(
     on ranks forked for this call alone.
     """
     import torch.distributed as dist
-
-    from fsdp_turbo.core.testing.pool import active_pool
 
     pool = active_pool(world_size) if backend is None and num_threads == 1 else None
     if pool is not None:
