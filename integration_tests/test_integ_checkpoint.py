@@ -29,7 +29,7 @@ from fsdp_turbo.core.errors import CheckpointError
 from fsdp_turbo.core.testing import assert_parity, run_distributed
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.multirank, pytest.mark.rank_pool]
+pytestmark = pytest.mark.multirank
 
 MODELS = ["llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3"]
 MOE = {"qwen3_moe", "mixtral", "deepseek_v3"}

@@ -20,7 +20,7 @@ from composed_jobs import FSDP_TP, compile_pair_run
 from fsdp_turbo.core.testing import assert_parity, run_distributed
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.multirank, pytest.mark.rank_pool]
+pytestmark = pytest.mark.multirank
 
 MX_PLAN = {"quant_format": "E4M3", "block_size": 32, "ignored_modules": ["*.k_proj", "*.v_proj"]}
 MEMORY = {**FSDP_TP, "recompute": True, "recompute_plan": ["model.layers.0"], "recompute_policy": "selective",

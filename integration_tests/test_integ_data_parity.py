@@ -9,7 +9,7 @@ from data_jobs import DP, packed_run, reference
 from fsdp_turbo.core.testing import assert_parity, run_distributed
 
 pytest.importorskip("datasets")
-pytestmark = [pytest.mark.multirank, pytest.mark.rank_pool]
+pytestmark = pytest.mark.multirank
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from fsdp_turbo.core.testing import assert_parity, run_distributed, run_referenc
 from fsdp_turbo.core.testing.parity import sqnr_db
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.multirank, pytest.mark.rank_pool]
+pytestmark = pytest.mark.multirank
 
 TP_PLAN = {"colwise_parallel": [*QKV, "*.gate_proj", "*.up_proj"], "rowwise_parallel": ["*.o_proj", "*.down_proj"]}
 # Qwen3-MoE: attention and the vocab-parallel head over TP, sequence parallel between them,

@@ -9,7 +9,7 @@ from plan_jobs import plans_and_apply
 from fsdp_turbo.core.testing import run_distributed
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.multirank, pytest.mark.rank_pool]
+pytestmark = pytest.mark.multirank
 
 QKV = ["*.q_proj", "*.k_proj", "*.v_proj"]
 LAYOUTS = {

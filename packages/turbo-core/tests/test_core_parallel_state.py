@@ -5,8 +5,6 @@ import pytest
 from fsdp_turbo.core.parallel_state import ParallelState, resolve_parallel_sizes
 from fsdp_turbo.core.testing import run_distributed
 
-pytestmark = pytest.mark.rank_pool
-
 
 def _state(rank, **sizes):
     return ParallelState(resolve_parallel_sizes(world_size=8, **sizes), rank, "cpu", distributed=False)

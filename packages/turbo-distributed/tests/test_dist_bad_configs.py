@@ -6,7 +6,7 @@ from fsdp_turbo.core.testing import run_distributed
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.multirank, pytest.mark.rank_pool]
+pytestmark = pytest.mark.multirank
 
 WORLD = 4
 CASES = {

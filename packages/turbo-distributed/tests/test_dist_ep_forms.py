@@ -24,8 +24,6 @@ from fsdp_turbo.distributed.expert_parallel import (
 )
 from fsdp_turbo.fsdp_turbo_config import EPPlanConfig
 
-pytestmark = pytest.mark.rank_pool
-
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 

@@ -12,7 +12,7 @@ from ep_jobs import ROUTES, accumulated_reference, ep_run, merge_rank_grads, ref
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.multirank, pytest.mark.rank_pool]
+pytestmark = pytest.mark.multirank
 
 TOL = {"loss_rtol": 1e-5, "grad_rtol": 1e-4, "grad_atol": 1e-6}
 _cache = {}

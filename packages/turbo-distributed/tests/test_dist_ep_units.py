@@ -11,8 +11,6 @@ from fsdp_turbo.distributed.expert_parallel import DISPATCHERS, ExpertGroup, exp
 from fsdp_turbo.distributed.expert_parallel.experts import ExpertList, FusedExperts
 from fsdp_turbo.distributed.expert_parallel.routing import build_route, count_tokens, inverse_permutation
 
-pytestmark = pytest.mark.rank_pool
-
 pytest.importorskip("transformers")
 
 

@@ -13,7 +13,7 @@ from fsdp_turbo.core.testing import assert_parity, run_distributed, run_referenc
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.multirank, pytest.mark.rank_pool]
+pytestmark = pytest.mark.multirank
 
 LAYOUTS = {
     "fsdp4": (4, {"fully_shard_parallel_size": 4}),

@@ -9,8 +9,6 @@ from fsdp_turbo.distributed.fully_shard_parallel import select_units
 from fsdp_turbo.distributed.fully_shard_parallel.units import prefetch_plan
 from fsdp_turbo.fsdp_turbo_config import FSDPPlanConfig
 
-pytestmark = pytest.mark.rank_pool
-
 pytest.importorskip("transformers")
 
 

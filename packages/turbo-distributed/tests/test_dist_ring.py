@@ -9,7 +9,7 @@ from fsdp_turbo.core.testing import run_distributed
 from fsdp_turbo.distributed.context_parallel.ring import ring_attention
 from fsdp_turbo.distributed.context_parallel.ring_math import chunk_positions, visible
 
-pytestmark = [pytest.mark.multirank, pytest.mark.rank_pool]
+pytestmark = pytest.mark.multirank
 CP, SEQ = 4, 32
 DOCUMENTS = torch.tensor([[0] * 9 + [1] * 14 + [2] * 9, [0] * 32])
 

@@ -12,7 +12,7 @@ from distributed_jobs import BATCHES, TOLERANCES, facade_run, reference_run
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.multirank, pytest.mark.rank_pool]
+pytestmark = pytest.mark.multirank
 
 QKV = ["*.q_proj", "*.k_proj", "*.v_proj"]
 MLP_COLWISE = ["*.gate_proj", "*.up_proj"]

@@ -7,8 +7,6 @@ from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 from fsdp_turbo.distributed.tensor_parallel import resolve_tp_plan
 from fsdp_turbo.fsdp_turbo_config import TPPlanConfig
 
-pytestmark = pytest.mark.rank_pool
-
 pytest.importorskip("transformers")
 
 FULL = TPPlanConfig(colwise_parallel=["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj", "lm_head"],

@@ -15,7 +15,7 @@ from quant_jobs import fsdp_tp_run, reference_run
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 from fsdp_turbo.core.testing.parity import sqnr_db
 
-pytestmark = [pytest.mark.multirank, pytest.mark.rank_pool]
+pytestmark = pytest.mark.multirank
 
 
 @pytest.fixture(scope="module")

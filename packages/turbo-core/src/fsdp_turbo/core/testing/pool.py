@@ -254,7 +254,8 @@ def _clear_distributed_caches() -> None:
     if clear_native is not None:
         clear_native()
     for cached in gc.get_objects():
-        if isinstance(cached, functools._lru_cache_wrapper):
+        # type(), not isinstance(): the heap holds weak proxies, and a dead one raises on isinstance
+        if type(cached) is functools._lru_cache_wrapper:
             module = getattr(getattr(cached, "__wrapped__", None), "__module__", None) or ""
             if module.startswith("torch.distributed"):
                 cached.cache_clear()
