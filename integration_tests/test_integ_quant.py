@@ -3,7 +3,7 @@ loss-parallel head) and with the memory features, against the single-process MX 
 (emulated quantization, float32 master weights).
 
 Where the layout keeps every MX block whole, each step is held to the float32 tolerances
-(loss rtol 1e-5, gradients rtol 1e-4 / atol 1e-6, the update's weights atol 1e-6), step by
+(loss rtol 1e-5, gradients rtol 1e-4 / atol 1e-6, each update per tensor within relative L2 1e-4), step by
 step: the one-process model replays every step from the distributed run's own weights
 (``replay_steps``). Comparing whole trajectories instead is machine-dependent: after a step
 or two, last-bit weight differences (reduction order, another CPU's kernels) move elements
