@@ -115,7 +115,9 @@ class DataSection(ConfigSection):
     no token attends to or predicts across a boundary; ``false``: one document per row,
     padded, with an attention mask. ``overflow``: a document longer than ``seq_len`` is
     ``split`` into pieces (each its own document), ``truncate``d to its start, or an ``error``.
-    ``cache_dir`` (default ``OUTPUT/data_cache``) keeps the tokenized data for the next run."""
+    ``cache_dir`` (default ``OUTPUT/data_cache``) keeps the tokenized data for the next run.
+    ``cache_lock_timeout_s``: how long a process waits for another one that is preparing
+    the same data (it holds the cache's lock) before it fails, naming the lock."""
 
     _prefix: ClassVar[str] = "data"
     _nested: ClassVar[dict[str, type[ConfigSection]]] = {"eval": EvalSection}
@@ -129,9 +131,12 @@ class DataSection(ConfigSection):
     overflow: str = "split"
     eval: EvalSection | None = None
     cache_dir: str | None = None
+    cache_lock_timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
         check_int(self.seq_len, "data.seq_len", minimum=2)
+        _set(self, "cache_lock_timeout_s", check_float(self.cache_lock_timeout_s, "data.cache_lock_timeout_s",
+                                                       minimum=0.0, strict=True))
         check_int(self.max_bytes, "data.max_bytes", minimum=1)
         check_bool(self.packing, "data.packing")
         _set(self, "overflow", check_choice(self.overflow, "data.overflow", OVERFLOW))
