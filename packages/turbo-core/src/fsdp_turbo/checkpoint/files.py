@@ -2,8 +2,9 @@
 what shape, read through safetensors' own ``get_slice``.
 
 Everything is checked when the directory is opened, on every rank alike, before anything
-is read. That covers the directory, ``config.json``, the index and the files it names,
-and each file's header. safetensors refuses a truncated file at open.
+is read. That covers the directory, ``config.json``, the index and the files it names
+(all inside the directory: an index naming ``../x`` or ``/x`` is refused), and each
+file's header. safetensors refuses a truncated file at open.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import os
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import torch
@@ -52,7 +53,25 @@ def _weight_map(directory: Path) -> dict[str, str] | None:
                               reason=f"it is not a safetensors index ({err})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(INDEX, str(index), "map each tensor name to a file name", reason="bad weight_map")
+    _check_names_stay_inside(index, weight_map)
     return weight_map
+
+
+def _check_names_stay_inside(index: Path, weight_map: dict[str, str]) -> None:
+    """Every file the index names is a relative path below its folder: no ``..`` part, not
+    absolute, not empty. An index is data (often downloaded); it must not make a rank read
+    files elsewhere on the machine.
+
+    The check is on the names, not on resolved paths: symlinks placed in the folder are the
+    folder's own (the Hugging Face hub cache makes every snapshot file a symlink into
+    ``../../blobs``), and the no-index case reads ``*.safetensors`` through them alike."""
+    for tensor, name in sorted(weight_map.items()):
+        parts = PurePath(name).parts
+        if not parts or PurePath(name).is_absolute() or ".." in parts:
+            raise CheckpointError(f"{index} weight_map[{tensor!r}]", name,
+                                  "write the index again naming files inside the checkpoint folder, "
+                                  "e.g. model-00001-of-00002.safetensors",
+                                  reason=f"that is not a file inside {index.parent}")
 
 
 @dataclass

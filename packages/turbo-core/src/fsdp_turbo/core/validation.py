@@ -5,6 +5,7 @@ job file are both built on it."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,7 +20,8 @@ from fsdp_turbo.core.errors import ConfigError
 class ConfigSection:
     """A config dataclass that loads from a dict, a YAML file or a TOML file.
 
-    Unknown keys are a ConfigError naming ``<prefix>.<key>`` and the known fields.
+    Unknown keys, and keys that are not strings, are a ConfigError naming ``<prefix>.<key>``
+    and the known fields.
     ``_nested`` maps a field to the section class its mapping value is built into.
     """
 
@@ -34,6 +36,7 @@ class ConfigSection:
         if not isinstance(data, dict):
             raise ConfigError(prefix or cls.__name__, data, "use a mapping of field names to values")
         known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        check_keys(data, prefix, f"use field names (text) as keys; known fields are {sorted(known)}")
         unknown = sorted(set(data) - known)
         if unknown:
             where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
@@ -91,13 +94,47 @@ def check_int(value: Any, field: str, *, minimum: int | None = None, allow: Iter
     return value
 
 
-def check_float(value: Any, field: str, *, minimum: float | None = None, strict: bool = False) -> float:
+def check_keys(data: dict, section: str, fix: str) -> None:
+    """Every key of ``data`` (the mapping of ``section``; ``""``: the top level) is a string.
+    YAML makes ``1:``, ``1.5:``, ``yes:`` and ``~:`` keys an int, a float, a bool and None:
+    never field names, and mixed with strings they cannot even be sorted."""
+    for key in data:
+        if not isinstance(key, str):
+            raise ConfigError(f"{section}.{key}" if section else str(key), data[key], fix,
+                              reason=f"the key {key!r} is not text but {type(key).__name__}")
+
+
+def check_float(value: Any, field: str, *, minimum: float | None = None, strict: bool = False,
+                maximum: float | None = None) -> float:
+    """A finite number in ``[minimum, maximum]`` (``(minimum, maximum]`` when ``strict``).
+
+    NaN and infinity are refused here, for every float field: NaN passes every comparison
+    (``nan < 0`` and ``nan > 1`` are both false), and YAML reads ``.nan`` and ``.inf`` as
+    numbers, so a bound check alone lets them through to the training run."""
+    fix = f"use {_number_range(minimum, strict, maximum)}"
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(field, value, "use a number")
-    value = float(value)
-    if minimum is not None and (value < minimum or (strict and value == minimum)):
-        raise ConfigError(field, value, f"use a number {'>' if strict else '>='} {minimum}")
-    return value
+        raise ConfigError(field, value, fix)
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ConfigError(field, value, fix, reason="it is too large for a float") from None
+    if not math.isfinite(number):
+        raise ConfigError(field, value, fix, reason="NaN and infinity are not usable values")
+    too_low = minimum is not None and (number < minimum or (strict and number == minimum))
+    if too_low or (maximum is not None and number > maximum):
+        raise ConfigError(field, number, fix)
+    return number
+
+
+def _number_range(minimum: float | None, strict: bool, maximum: float | None) -> str:
+    """``check_float``'s fix: the accepted range in words."""
+    if minimum is not None and maximum is not None:
+        return f"a finite number in {'(' if strict else '['}{minimum}, {maximum}]"
+    if minimum is not None:
+        return f"a finite number {'>' if strict else '>='} {minimum}"
+    if maximum is not None:
+        return f"a finite number <= {maximum}"
+    return "a finite number"
 
 
 def check_choice(value: Any, field: str, choices: Iterable[str], *, upper: bool = False) -> str:
