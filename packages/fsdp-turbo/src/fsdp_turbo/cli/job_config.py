@@ -10,10 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
+from fsdp_turbo.core.dtypes import dtype_name, parse_dtype
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.core.validation import ConfigSection, check_bool, check_choice, check_float, check_int
+from fsdp_turbo.core.validation import (
+    ConfigSection,
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    check_keys,
+)
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
 
@@ -21,9 +30,16 @@ def _set(obj: Any, name: str, value: Any) -> None:
     object.__setattr__(obj, name, value)  # frozen sections normalise their fields once
 
 
+DOWNLOAD_FIX = ("download the model first, e.g. `hf download ID --local-dir DIR`, and give that folder "
+                "(the job never downloads)")
+
+
 @dataclass(frozen=True)
 class ModelSection(ConfigSection):
-    """``config``: an HF config dict with ``model_type`` (random init); or ``model_name_or_path``."""
+    """``config``: a mapping, an HF config with ``model_type`` (random init); or
+    ``model_name_or_path``: a local Hugging Face model folder (``config.json`` and its
+    ``*.safetensors``). Nothing is downloaded: a hub ID is refused with how to fetch it.
+    ``dtype``: the parameters' torch dtype (``float32``, ``bfloat16``, ``bf16``, ...)."""
 
     _prefix: ClassVar[str] = "model"
 
@@ -34,8 +50,43 @@ class ModelSection(ConfigSection):
     def __post_init__(self) -> None:
         if (self.config is None) == (self.model_name_or_path is None):
             raise ConfigError("model", "config / model_name_or_path", "give exactly one of the two")
-        if self.config is not None and "model_type" not in self.config:
-            raise ConfigError("model.config.model_type", None, "name the HF model type, e.g. 'qwen3_moe'")
+        if self.config is not None:
+            _check_hf_config(self.config)
+        else:
+            _set(self, "model_name_or_path", _local_model_folder(self.model_name_or_path))
+        _set(self, "dtype", _dtype_name(self.dtype))
+
+
+def _check_hf_config(config: Any) -> None:
+    """A mapping of string keys, with ``model_type`` a string (``AutoConfig.for_model``'s
+    arguments). A path to a config.json is not taken: ``model_name_or_path`` is for folders."""
+    if not isinstance(config, dict):
+        raise ConfigError("model.config", config, "give the HF config as a mapping, e.g. {model_type: llama, "
+                          "hidden_size: 64}, or a local model folder as model.model_name_or_path")
+    check_keys(config, "model.config", "use the HF config's field names (text) as keys")
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError("model.config.model_type", model_type, "name the HF model type, e.g. 'qwen3_moe'")
+
+
+def _local_model_folder(path: Any) -> str:
+    """The folder at ``path`` (``~`` expanded), once it is a local folder with a config.json."""
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError("model.model_name_or_path", path, "give the path of a local model folder as text")
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ConfigError("model.model_name_or_path", path, DOWNLOAD_FIX, reason="there is no such local folder")
+    if not (folder / "config.json").is_file():
+        raise ConfigError("model.model_name_or_path", path, "give a Hugging Face model folder: config.json plus "
+                          "model*.safetensors", reason="the folder has no config.json")
+    return str(folder)
+
+
+def _dtype_name(value: Any) -> str:
+    """A dtype name ``parse_dtype`` takes, normalised (``bf16`` -> ``bfloat16``)."""
+    if value is None:  # parse_dtype passes None through: the model needs a dtype
+        raise ConfigError("model.dtype", value, "name a torch dtype, e.g. 'bfloat16' or 'float32'")
+    return dtype_name(parse_dtype(value, "model.dtype"))
 
 
 def _sections(value: Any, kind: type[ConfigSection], field_name: str) -> tuple:
@@ -189,16 +240,28 @@ class OptimizerSection(ConfigSection):
     def __post_init__(self) -> None:
         _set(self, "lr", check_float(self.lr, "optimizer.lr", minimum=0.0, strict=True))
         _set(self, "weight_decay", check_float(self.weight_decay, "optimizer.weight_decay", minimum=0.0))
-        if not isinstance(self.betas, list | tuple) or len(self.betas) != 2:
-            raise ConfigError("optimizer.betas", self.betas, "give two numbers, e.g. [0.9, 0.95]")
-        _set(self, "betas", tuple(check_float(b, "optimizer.betas", minimum=0.0) for b in self.betas))
+        _set(self, "betas", _betas(self.betas))
         _set(self, "eps", check_float(self.eps, "optimizer.eps", minimum=0.0, strict=True))
         check_int(self.warmup_steps, "optimizer.warmup_steps", minimum=0)
-        ratio = check_float(self.min_lr_ratio, "optimizer.min_lr_ratio", minimum=0.0)
-        if ratio > 1:
-            raise ConfigError("optimizer.min_lr_ratio", ratio, "use a value in [0, 1]")
+        _set(self, "min_lr_ratio", check_float(self.min_lr_ratio, "optimizer.min_lr_ratio", minimum=0.0, maximum=1.0))
         if self.grad_clip is not None:
             _set(self, "grad_clip", check_float(self.grad_clip, "optimizer.grad_clip", minimum=0.0, strict=True))
+
+
+def _betas(value: Any) -> tuple[float, float]:
+    """AdamW's two betas, each in [0, 1): torch's AdamW refuses 1 and above, but only when
+    the optimizer is built, after the model is."""
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise ConfigError("optimizer.betas", value, "give two numbers, e.g. [0.9, 0.95]")
+    betas = tuple(check_float(b, f"optimizer.betas[{i}]", minimum=0.0) for i, b in enumerate(value))
+    for i, beta in enumerate(betas):
+        if beta >= 1.0:
+            raise ConfigError(f"optimizer.betas[{i}]", beta, "use a number in [0, 1), e.g. [0.9, 0.95]")
+    return betas  # type: ignore[return-value]
+
+
+# gloo refuses a timeout near 1e13 s (its clock overflows: "Invalid timeout"); 1e9 s is ~31 years.
+MAX_TIMEOUT_S = 1e9
 
 
 @dataclass(frozen=True)
@@ -238,7 +301,7 @@ class RunSection(ConfigSection):
         _set(self, "nonfinite", check_choice(self.nonfinite, "run.nonfinite", ("stop", "skip")))
         check_int(self.max_skipped, "run.max_skipped", minimum=1)
         _set(self, "collective_timeout_s", check_float(self.collective_timeout_s, "run.collective_timeout_s",
-                                                       minimum=1.0))
+                                                       minimum=1.0, maximum=MAX_TIMEOUT_S))
 
     def accumulation(self, data_shards: int) -> int:
         """Micro-batches per optimizer step on ``data_shards`` shards (``ConfigError`` when

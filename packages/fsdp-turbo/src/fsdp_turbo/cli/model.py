@@ -8,15 +8,28 @@ from torch import nn
 from fsdp_turbo.checkpoint import LoadReport, init_weights, load_pretrained
 from fsdp_turbo.cli.job_config import ModelSection
 from fsdp_turbo.core.dtypes import parse_dtype
+from fsdp_turbo.core.errors import ConfigError
 
 
 def hf_config(section: ModelSection):
+    """The model's HF config: from the local folder (never the hub: the job does not
+    download, and the section has checked the folder), or built from ``model.config``."""
     from transformers import AutoConfig
 
     if section.model_name_or_path is not None:
-        return AutoConfig.from_pretrained(section.model_name_or_path)
+        return AutoConfig.from_pretrained(section.model_name_or_path, local_files_only=True)
     fields = dict(section.config)
-    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return AutoConfig.for_model(_known_model_type(fields.pop("model_type")), **fields)
+
+
+def _known_model_type(model_type: str) -> str:
+    """``model_type`` when this transformers knows it (its own error lists every type it has)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError("model.config.model_type", model_type, "name a model type this transformers "
+                          "knows, e.g. 'llama', 'qwen3' or 'qwen3_moe' (or upgrade transformers)")
+    return model_type
 
 
 def build_model(section: ModelSection) -> nn.Module:
