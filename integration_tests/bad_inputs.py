@@ -55,6 +55,14 @@ def _global_batch_on(world: int) -> None:
     job.run.accumulation(job.turbo.validate(world).dp_replicate_x_fsdp)
 
 
+def _unknown_model_type(_inputs: dict) -> None:
+    """The HF config built from ``model.config`` (as the launcher does before any worker)."""
+    from fsdp_turbo.cli.job_config import JobConfig
+    from fsdp_turbo.cli.model import hf_config
+
+    hf_config(JobConfig.from_dict({"model": {"config": {"model_type": "no_such_model"}}}).model)
+
+
 def _job_without_model() -> None:
     from fsdp_turbo.cli.job_config import JobConfig
 
@@ -224,6 +232,21 @@ CASES: dict[str, Case] = {
     "job: keep no checkpoint": _job({"checkpoint": {"keep": 0}}, "checkpoint.keep"),
     "job: unknown turbo field": _job({"turbo": {"tensor_parallel": 2}}, "turbo.tensor_parallel"),
     "job: not yaml or toml": Case("job file", _job_file_suffix, "use a .yaml, .yml or .toml file"),
+    "job: learning rate NaN": _job({"optimizer": {"lr": float("nan")}}, "optimizer.lr=nan"),
+    "job: min_lr_ratio NaN": _job({"optimizer": {"min_lr_ratio": float("nan")}}, "optimizer.min_lr_ratio=nan"),
+    "job: collective timeout infinite": _job({"run": {"collective_timeout_s": float("inf")}},
+                                             "run.collective_timeout_s=inf"),
+    "job: source weight infinite": _job({"data": {"sources": [{"path": "a.jsonl", "text_field": "text",
+                                                               "weight": float("inf")}]}},
+                                        "data.sources[0].weight=inf"),
+    "job: model config a string": _job({"model": {"config": "config.json"}}, "model.config='config.json'"),
+    "job: model path a number": _job({"model": {"model_name_or_path": 123}}, "model.model_name_or_path=123"),
+    "job: model path not a local folder": _job({"model": {"model_name_or_path": "Qwen/Qwen3-0.6B"}},
+                                               "hf download ID --local-dir DIR"),
+    "job: unknown model dtype": _job({"model": {"config": {"model_type": "llama"}, "dtype": "float17"}},
+                                     "model.dtype='float17'"),
+    "job: unknown model type": Case("job file", _unknown_model_type, "model.config.model_type='no_such_model'"),
+    "job: int and str keys in a section": _job({"run": {"steps": 5, 1: 2}}, "run.1=2"),
     # data
     "data: no file matches": _data([{"path": "{d}/nothing*.jsonl", "text_field": "text"}], "no file matches"),
     "data: missing field": _data([{"path": "{d}/rows.jsonl", "text_field": "body"}], "data.sources[0].text_field"),
@@ -247,6 +270,8 @@ CASES: dict[str, Case] = {
     "checkpoint: not a model": _load("not_a_model", "no config.json"),
     "checkpoint: truncated file": _load("truncated", "damaged or truncated"),
     "checkpoint: missing tensor": _load("missing_tensor", "1 missing"),
+    "checkpoint: index names a file above the folder": _load("index_up", "'../outside.safetensors' is invalid"),
+    "checkpoint: index names an absolute path": _load("index_absolute", "outside.safetensors' is invalid"),
     # runtime misuse
     "runtime: meta model used before loading": Case("runtime", _meta_forward, "has no weights yet",
                                                     "NotMaterializedError"),
@@ -299,9 +324,28 @@ def prepare_checkpoints(root: Path) -> dict[str, str]:
     index = json.loads(index_path.read_text())
     del index["weight_map"][dropped]
     index_path.write_text(json.dumps(index))
+    outside = root / "outside.safetensors"
+    paths["index_up"] = str(_index_escapes(good, root / "index_up", outside, "../outside.safetensors"))
+    paths["index_absolute"] = str(_index_escapes(good, root / "index_absolute", outside, str(outside)))
     (root / "job.json").write_text("{}")
     paths["data"] = str(prepare_data(root / "data"))
     return paths
+
+
+def _index_escapes(good: Path, folder: Path, outside: Path, entry: str) -> Path:
+    """A copy of ``good`` whose last shard lies at ``outside`` (beside the folder) and whose
+    index names it by ``entry``: it would load whole if the index were followed out of the folder."""
+    import json
+    import shutil
+
+    shutil.copytree(good, folder)
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    last = max(index["weight_map"].values())
+    shutil.move(folder / last, outside)  # the same bytes each time: both cases point at this file
+    index["weight_map"] = {k: entry if v == last else v for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    return folder
 
 
 def prepare_data(folder: Path) -> Path:
