@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fsdp_turbo.checkpoint.materialize import allocate, every_rank_or_none, initialized_tensor, target_device
+from fsdp_turbo.checkpoint.materialize import allocate, initialized_tensor, target_device
 from fsdp_turbo.checkpoint.shards import local_box, local_tensors
+from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.blueprint import blueprint as blueprint_of
 
 

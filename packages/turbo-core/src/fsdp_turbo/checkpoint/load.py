@@ -13,8 +13,9 @@ from torch import nn
 from fsdp_turbo.checkpoint.files import CheckpointFiles
 from fsdp_turbo.checkpoint.init import non_persistent_buffers, set_by_module
 from fsdp_turbo.checkpoint.layout import Layout, Piece, checkpoint_layout
-from fsdp_turbo.checkpoint.materialize import allocate, every_rank_or_none, target_device
+from fsdp_turbo.checkpoint.materialize import allocate, target_device
 from fsdp_turbo.checkpoint.shards import local_box, local_tensors, overlap
+from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.blueprint import blueprint as blueprint_of
 from fsdp_turbo.core.errors import CheckpointError
 from fsdp_turbo.core.logging import get_logger
@@ -91,18 +92,23 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
     buffers (rotary frequencies) are rebuilt by the model's own initialisation.
 
     A missing, unexpected or misshapen tensor, a missing or truncated file, or a directory
-    that is not a model raises ``CheckpointError`` on every rank, before anything is read.
+    that is not a model raises ``CheckpointError`` on every rank, before anything is read;
+    where only some ranks find the fault, the others raise ``PeerFailure`` with its message.
     With ``strict=False`` missing tensors are initialised as ``init_weights`` would and
     unexpected ones ignored, each named in one warning.
     """
-    files = CheckpointFiles.open(path)
-    blueprint = blueprint_of(model)
-    layout = _own_layout(checkpoint_layout(blueprint), files)
-    missing, unexpected = _compare(layout, files, model, strict)
+    device = target_device(model)
+    # Checked on every rank, then agreed on: a file one node cannot see (another disk, a
+    # copy in progress) stops every rank at once, not at the next collective's timeout.
+    with every_rank_or_none("load_pretrained", device):
+        files = CheckpointFiles.open(path)
+        blueprint = blueprint_of(model)
+        layout = _own_layout(checkpoint_layout(blueprint), files)
+        missing, unexpected = _compare(layout, files, model, strict)
     allocate(model, blueprint)
     local = local_tensors(model)
     read = 0
-    with every_rank_or_none("load_pretrained", target_device(model)):
+    with every_rank_or_none("load_pretrained", device):
         since_release = 0
         absent = set(missing)
         for model_key, pieces in layout.pieces.items():

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import copy
 import zlib
-from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fsdp_turbo.core.blueprint import has_meta_tensors, release_meta_guard
@@ -75,22 +73,3 @@ def initialized_tensor(blueprint: nn.Module, module_name: str, module: nn.Module
                                   "give the module a reset_parameters(), or load a checkpoint",
                                   reason="the model has no _init_weights and the module no reset_parameters")
     return getattr(fresh, name).detach()
-
-
-@contextmanager
-def every_rank_or_none(what: str, device: torch.device):
-    """Run a rank's part of a collective step; if any rank fails, every rank raises (the
-    failing one its own error), so no rank walks on into a collective the others never reach."""
-    failure: BaseException | None = None
-    try:
-        yield
-    except BaseException as error:  # re-raised below, after the other ranks have heard of it
-        failure = error
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([0 if failure is None else 1 + dist.get_rank()], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if failure is None and flag.item():
-            raise CheckpointError(what, f"rank {int(flag.item()) - 1}", "read that rank's error above",
-                                  reason="another rank failed, so every rank stops")
-    if failure is not None:
-        raise failure

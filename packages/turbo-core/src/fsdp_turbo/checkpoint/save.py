@@ -14,9 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_turbo.checkpoint.layout import checkpoint_layout
-from fsdp_turbo.checkpoint.materialize import every_rank_or_none, target_device
+from fsdp_turbo.checkpoint.materialize import target_device
 from fsdp_turbo.checkpoint.shards import local_tensors
 from fsdp_turbo.core import hf
+from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.blueprint import blueprint as blueprint_of
 from fsdp_turbo.core.blueprint import has_meta_tensors
 from fsdp_turbo.core.errors import CheckpointError
