@@ -76,6 +76,23 @@ def init_process_group(device_type: str, timeout_s: float | None = None, **optio
     dist.init_process_group(backend=backend_for(device_type), **options)
 
 
+def get_rng_state(device_type: str) -> dict[str, torch.Tensor]:
+    """This process's random states: the CPU's and, on an accelerator, its current
+    device's (dropout there draws from the device's generator), for an exact resume."""
+    states = {"cpu_rng": torch.get_rng_state()}
+    if device_type != "cpu":
+        states["device_rng"] = torch.get_device_module(device_type).get_rng_state()
+    return states
+
+
+def set_rng_state(states: dict[str, torch.Tensor], device_type: str) -> None:
+    """Restore what ``get_rng_state`` returned. A device state saved on another kind of
+    device (a CPU run resumed on GPUs) has nothing to restore there and is left out."""
+    torch.set_rng_state(states["cpu_rng"])
+    if device_type != "cpu" and "device_rng" in states:
+        torch.get_device_module(device_type).set_rng_state(states["device_rng"])
+
+
 def has_streams(device_type: str) -> bool:
     return device_type != "cpu"
 
