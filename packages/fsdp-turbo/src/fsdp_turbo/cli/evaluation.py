@@ -8,7 +8,8 @@ the shards' sums into the global mean. So SFT batches with few assistant tokens 
 little as they should, and no shard's batch counts more than its tokens.
 
 Evaluation is token-weighted the same way: the sum of each micro-batch's mean loss times its
-loss tokens, over the eval batches and data shards, divided by their loss tokens. With
+loss tokens, over the eval batches and data shards, divided by their loss tokens (a
+micro-batch with no loss tokens, e.g. SFT rows with no assistant turn, adds nothing). With
 packing that is exactly the mean over the held-out documents run one at a time.
 """
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_turbo.cli.data import Batch, EvalSet
+from fsdp_turbo.core.errors import ConfigError
 
 
 def _world_sum(values: list[float], device: torch.device) -> list[float]:
@@ -47,11 +49,19 @@ def evaluate(model: torch.nn.Module, held_out: EvalSet, micro_batch: int, batche
     try:
         for batch in held_out.batches(micro_batch, dp_rank, dp_size, batches):
             count = batch.loss_tokens()
+            # Every micro-batch runs its forward, loss tokens or not: the ranks of a shard run
+            # their collectives together. One with none has loss NaN (a mean over nothing), and
+            # NaN x 0 is NaN, so it adds nothing rather than its product.
             loss = model(**batch.to(device).model_inputs()).loss
-            weighted += float(loss.float()) * count
-            tokens += count
+            if count:
+                weighted += float(loss.float()) * count
+                tokens += count
     finally:
         model.train(was_training)
     weighted, tokens = _world_sum([weighted, tokens], device)
-    loss = weighted / max(tokens, 1.0)
+    if not tokens:  # the same on every rank (a world sum): a loss of 0 here would be a number that misleads
+        raise ConfigError("data.eval.batches", batches, "add held-out data that carries loss (for SFT: assistant "
+                          "turns) or evaluate more batches", reason="the eval batches hold no loss tokens on any "
+                          "data shard")
+    loss = weighted / tokens
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}

@@ -4,8 +4,14 @@ when asked, TensorBoard event files."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
+
+from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.logging import get_logger
+
+_log = get_logger("fsdp_turbo.cli.metrics")
 
 METRICS = "metrics.jsonl"
 PLOT = "loss.png"
@@ -26,17 +32,58 @@ RESUMED = "resumed_at_step"
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """The training curve: one row per step. The file is only ever appended to; a resume
     appends ``{"resumed_at_step": N}``, after which the rows past step N written before it
-    (by the run that was interrupted) no longer count."""
+    (by the run that was interrupted) no longer count.
+
+    A row cut short by a crash mid-append is skipped with a warning: on the last line (the
+    run crashed), or followed by a resume marker (it crashed and a resumed run appended after
+    it; before ``MetricsLog`` ended such a line first, the marker went onto the end of it).
+    Any other unreadable line means the file was damaged otherwise (edited by hand, two jobs
+    writing one output_dir): a ``ConfigError`` names the file and the line."""
+    path = Path(path)
+    lines = [(number, line) for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if line.strip()]
     curve: list[dict[str, Any]] = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if not line.strip():
+    for index, (number, line) in enumerate(lines):
+        row = _parse_row(line)
+        if row is None:
+            row = _skip_torn_row(path, number, line, lines[index + 1][1] if index + 1 < len(lines) else None)
+        if row is None:
             continue
-        row = json.loads(line)
         if RESUMED in row:
             curve = [r for r in curve if r["step"] <= row[RESUMED]]
         else:
             curve.append(row)
     return curve
+
+
+def _parse_row(line: str) -> dict[str, Any] | None:
+    """A step row or a resume marker, else ``None`` (a torn or foreign line)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) and ("step" in row or RESUMED in row) else None
+
+
+def _skip_torn_row(path: Path, number: int, line: str, following: str | None) -> dict[str, Any] | None:
+    """For the unreadable line ``number``: warn and give the resume marker glued to its end, or
+    warn and give ``None`` (skip it) where a crash explains it; else raise (see ``read_rows``)."""
+    torn = f"{path} line {number} is a row cut short by a crash"
+    marker_at = line.rfind(json.dumps({RESUMED: 0})[:-2])  # where '{"resumed_at_step":' starts
+    glued = _parse_row(line[marker_at:]) if marker_at > 0 else None
+    if glued is not None and RESUMED in glued:
+        _log.warning(f"{torn}, with the resumed run's marker written onto its end; the row is skipped")
+        return glued
+    if following is None:
+        _log.warning(f"{torn} (the run stopped while writing it); skipped")
+        return None
+    after = _parse_row(following)
+    if after is not None and RESUMED in after:
+        _log.warning(f"{torn} (the run stopped while writing it, and a later run resumed); skipped")
+        return None
+    raise ConfigError("output_dir", str(path.parent), f"repair or delete line {number} of {path} (each line must "
+                      "be one JSON row), or use a fresh output_dir",
+                      reason=f"line {number} of {path.name} is not a metrics row, and no crash explains it")
 
 
 class MetricsLog:
@@ -47,6 +94,7 @@ class MetricsLog:
         self.path = Path(output_dir) / METRICS
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
+            self._end_torn_line()
             self._append({RESUMED: resumed_step})  # also a fresh start (0) over an old file
         else:
             self.path.touch()
@@ -56,6 +104,18 @@ class MetricsLog:
 
     def write(self, row: dict[str, Any]) -> None:
         self._append(row)
+
+    def _end_torn_line(self) -> None:
+        """A crash mid-append leaves a last line with no newline: end it, so the marker that
+        follows starts its own line (``read_rows`` then skips the torn one, not the marker)."""
+        with self.path.open("rb") as handle:
+            if handle.seek(0, os.SEEK_END) == 0:
+                return
+            handle.seek(-1, os.SEEK_END)
+            torn = handle.read(1) != b"\n"
+        if torn:
+            with self.path.open("a", encoding="utf-8") as handle:
+                handle.write("\n")
 
     def _append(self, row: dict[str, Any]) -> None:
         with self.path.open("a", encoding="utf-8") as handle:

@@ -1,0 +1,114 @@
+"""Training FLOPs per token, from the model's shapes and config: the numerator of TFLOP/s and MFU.
+
+    flops per token = 6 x (matmul weights one token passes through)   [the weights' GEMMs]
+                    + 12 x L x (heads x head_dim) x seq_len           [attention scores and values]
+
+A weight of a GEMM costs 2 FLOPs per token forward (a multiply and an add) and 4 backward (the
+gradients of its input and of itself), hence 6. Only the weights a token *passes through*
+count: of a mixture of experts, ``top_k / num_experts`` of the routed experts (each token
+visits ``top_k`` of them), but the shared experts and the router whole. The input embedding is
+a lookup, not a GEMM, so it is left out; the output head is a GEMM and counts, once, even when
+it shares its weight with the embedding. Norm weights and biases are elementwise, not GEMMs.
+
+The attention term is the PaLM appendix's (Chowdhery et al. 2022, B): per layer and token,
+``Q K^T`` and ``softmax(.) V`` are each ``2 x heads x head_dim x seq_len`` FLOPs forward, three
+times that with the backward. It counts the whole ``seq_len x seq_len`` matrix, not the causal
+half: that is what eager attention computes (and ``FlopCounterMode`` counts), and the
+convention published MFU figures use; a causal flash kernel skips about half of this term, a
+sliding-window one more. Recompute's extra forward is not counted: MFU counts the model's
+FLOPs, not the hardware's.
+
+The model is read as built on the meta device, before FSDPTurbo wraps it: shapes only.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fsdp_turbo.core.logging import get_logger, warn_once
+from fsdp_turbo.core.model_inspect import fused_experts_form, has_router_forward, model_config_value
+
+_log = get_logger("fsdp_turbo.cli.flops")
+
+# HF config names of the experts a token is routed to, and of the routed experts there are.
+TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "experts_per_token")
+NUM_EXPERTS_NAMES = ("num_experts", "num_local_experts", "n_routed_experts")
+
+# Forward 2 FLOPs per weight and token (multiply, add); backward 4 (input and weight gradients).
+GEMM_TRAINING_FLOPS = 6
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token of ``model`` on sequences of ``seq_len``."""
+    layers, heads, qk_dim, v_dim = attention_shape(model)
+    return (GEMM_TRAINING_FLOPS * active_matmul_weights(model)
+            + attention_flops_per_token(layers, heads, qk_dim, v_dim, seq_len))
+
+
+def attention_flops_per_token(layers: int, heads: int, qk_dim: int, v_dim: int, seq_len: int) -> float:
+    """Scores ``Q K^T`` (``qk_dim`` deep) and values (``v_dim`` wide) over all ``seq_len`` keys,
+    2 FLOPs a multiply-add, x3 for the backward; with ``qk_dim == v_dim`` PaLM's ``12 L H Q T``."""
+    forward = 2 * heads * (qk_dim + v_dim) * seq_len
+    return 3 * forward * layers
+
+
+def attention_shape(model: nn.Module) -> tuple[int, int, int, int]:
+    """(layers, query heads, query/key head dim, value head dim) from the config; zeros where
+    the model does not say (then the attention term is 0, as for a model with no attention).
+    DeepSeek's MLA has ``qk_head_dim`` (nope + rope) and ``v_head_dim``; the rest ``head_dim``
+    or ``hidden_size / heads``."""
+    layers = model_config_value(model, "num_hidden_layers", "n_layer", "num_layers") or 0
+    heads = model_config_value(model, "num_attention_heads", "n_head", "num_heads") or 0
+    hidden = model_config_value(model, "hidden_size", "n_embd", "d_model") or 0
+    head_dim = model_config_value(model, "head_dim") or (hidden // heads if heads else 0)
+    qk_dim = model_config_value(model, "qk_head_dim") or head_dim
+    v_dim = model_config_value(model, "v_head_dim") or head_dim
+    return int(layers), int(heads), int(qk_dim), int(v_dim)
+
+
+def active_matmul_weights(model: nn.Module) -> float:
+    """The GEMM weights one token passes through (fractional: routed experts count by the share
+    of them a token visits)."""
+    return _active_weights(model, model)
+
+
+def _active_weights(module: nn.Module, model: nn.Module) -> float:
+    if has_router_forward(module):  # forward(hidden_states, top_k_index, top_k_weights): routed experts
+        return expert_weights(module) * routed_fraction(module, model)
+    return own_matmul_weights(module) + sum(_active_weights(child, model) for child in module.children())
+
+
+def own_matmul_weights(module: nn.Module) -> int:
+    """The module's own weights of two or more dims (a Linear's, a router's), not its
+    children's. An embedding's table is a lookup; 1-D weights (norms, biases) are elementwise.
+    A weight shared by two modules (a tied head) counts in each module that multiplies by it."""
+    if isinstance(module, nn.Embedding):
+        return 0
+    return sum(p.numel() for p in module.parameters(recurse=False) if p.dim() >= 2)
+
+
+def expert_weights(experts: nn.Module) -> int:
+    """All experts' GEMM weights: a fused container's ``gate_up_proj`` and ``down_proj`` (not
+    their ``[E, out]`` biases), or the matmul weights of a list of expert MLPs."""
+    if fused_experts_form(experts) is not None:
+        return experts.gate_up_proj.numel() + experts.down_proj.numel()
+    return sum(own_matmul_weights(m) for m in experts.modules())
+
+
+def routed_fraction(experts: nn.Module, model: nn.Module) -> float:
+    """``top_k / num_experts``: the share of the routed experts one token goes through. Expert
+    counts come from the container's shape where it has one (EP-free here: the model is whole)."""
+    form = fused_experts_form(experts)
+    if form is not None:
+        total = form.num_experts
+    elif isinstance(experts, nn.ModuleList | nn.ModuleDict):
+        total = len(experts)
+    else:
+        total = model_config_value(model, *NUM_EXPERTS_NAMES)
+    top_k = model_config_value(model, *TOP_K_NAMES)
+    if not top_k or not total:
+        # Only the throughput figures depend on this: say so, and count every expert (an upper bound).
+        warn_once(_log, f"FLOPs per token count every expert as active: the model's config names no "
+                        f"{' / '.join(TOP_K_NAMES)} or {type(experts).__name__} no expert count")
+        return 1.0
+    return min(int(top_k) / int(total), 1.0)
