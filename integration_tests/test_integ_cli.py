@@ -50,6 +50,12 @@ def train(job_file, output, nproc=2, *extra, **kwargs):
     return fsdp_turbo("train", job_file, "--nproc-per-node", nproc, "--output-dir", output, *extra, **kwargs)
 
 
+def checkpoint(output, step: int) -> Path:
+    """The one complete checkpoint of ``step`` in ``output`` (``checkpoints/RUN/step-N``)."""
+    (found,) = [p for p in (Path(output) / "checkpoints").glob(f"*/step-{step}") if (p / "meta.json").is_file()]
+    return found
+
+
 def weights(output) -> dict[str, torch.Tensor]:
     return safetensors.load_file(str(Path(output) / "final" / "model.safetensors"))
 
@@ -89,7 +95,7 @@ def test_train_writes_metrics_plot_checkpoints_and_an_hf_model(reference):
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_mib"} <= set(rows[0])
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert (reference / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    steps = sorted(int(p.name.split("-")[1]) for p in (reference / "checkpoints").glob("step-*"))
+    steps = sorted(int(p.name.split("-")[1]) for p in (reference / "checkpoints").glob("run-*/step-*"))
     assert steps == [2, 4, 6]  # keep=3
     model = AutoModelForCausalLM.from_pretrained(reference / "final")
     exported = weights(reference)
@@ -125,7 +131,7 @@ def test_a_job_from_a_checkpoint_trains_as_the_job_from_its_config(job_file, ref
 
 def test_resume_after_a_clean_stop_continues_exactly(job_file, reference, tmp_path):
     train(job_file, tmp_path, 2, "--stop-at-step", 3)
-    assert not (tmp_path / "final").exists() and (tmp_path / "checkpoints" / "step-3").is_dir()
+    assert not (tmp_path / "final").exists() and checkpoint(tmp_path, 3).is_dir()
     before = (tmp_path / "metrics.jsonl").read_text()
     train(job_file, tmp_path)
     assert (tmp_path / "metrics.jsonl").read_text().startswith(before)  # appended, never rewritten
@@ -139,15 +145,15 @@ def test_a_four_rank_checkpoint_resumes_at_two_ranks(job_file, tmp_path):
     four, two = tmp_path / "four", tmp_path / "two"
     train(job_file, four, 4, "--max-steps", 3)
     (two / "checkpoints").mkdir(parents=True)
-    train(job_file, two, 2, "--max-steps", 3, "--resume", four / "checkpoints" / "step-3")
+    train(job_file, two, 2, "--max-steps", 3, "--resume", checkpoint(four, 3))
     # No step left to run: the 2-rank export is exactly the 4-rank model.
     assert_same_weights(weights(two), weights(four))
-    train(job_file, two, 2, "--max-steps", 5, "--resume", four / "checkpoints" / "step-3")
+    train(job_file, two, 2, "--max-steps", 5, "--resume", checkpoint(four, 3))
     assert [r["step"] for r in metrics(two)] == [4, 5]
 
 
 def test_kill_9_of_a_worker_recovers_bit_identically(job_file, reference, tmp_path):
-    result = train(job_file, tmp_path, 2, "--max-restarts", 1, env={"FSDP_TURBO_TEST_HOOK_KILL_AT_STEP": "5:1"})
+    result = train(job_file, tmp_path, 2, "--max-restarts", 1, env={"FSDP_TURBO_FAULTS": "kill@5:1"})
     assert "exitcode: -9" in result.stderr  # torchrun saw the SIGKILL, restarted the group ...
     assert "resumed from" in result.stderr and "step-4 at step 4" in result.stderr  # ... which resumed
     assert_same_weights(weights(tmp_path), weights(reference))
@@ -155,11 +161,11 @@ def test_kill_9_of_a_worker_recovers_bit_identically(job_file, reference, tmp_pa
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint(job_file, reference, tmp_path):
-    crashed = train(job_file, tmp_path, 2, env={"FSDP_TURBO_TEST_HOOK_CRASH_DURING_SAVE_AT_STEP": "4"}, check=False)
+    crashed = train(job_file, tmp_path, 2, env={"FSDP_TURBO_FAULTS": "crash_save@4"}, check=False)
     assert crashed.returncode != 0
-    checkpoints = tmp_path / "checkpoints"
-    assert (checkpoints / "step-2" / "meta.json").is_file() and (checkpoints / "step-4.partial").is_dir()
-    assert not (checkpoints / "step-4").exists()
+    run = checkpoint(tmp_path, 2).parent
+    assert (run / "step-2" / "meta.json").is_file() and (run / "step-4.partial").is_dir()
+    assert not (run / "step-4").exists()
     train(job_file, tmp_path)  # --resume auto takes step 2
     assert_same_weights(weights(tmp_path), weights(reference))
 
@@ -172,17 +178,17 @@ def test_config_errors_are_reported_before_launch(job_file, tmp_path):
 
 
 def test_a_non_finite_step_stops_the_job_and_keeps_the_last_good_checkpoint(job_file, tmp_path):
-    result = train(job_file, tmp_path, 2, env={"FSDP_TURBO_TEST_HOOK_NAN_LOSS_AT_STEP": "3"}, check=False)
+    result = train(job_file, tmp_path, 2, env={"FSDP_TURBO_FAULTS": "nan@3"}, check=False)
     assert result.returncode != 0
     assert "step 3: loss nan" in result.stderr and "not finite; stopped" in result.stderr
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2"]  # nothing of step 3 on
+    assert sorted(p.name for p in checkpoint(tmp_path, 2).parent.iterdir()) == ["step-2"]  # nothing of step 3 on
     assert not (tmp_path / "final").exists()
 
 
 def test_run_nonfinite_skip_drops_the_step_counts_it_and_goes_on(tmp_path):
     path = tmp_path / "skip.yaml"
     path.write_text(yaml.safe_dump({**JOB, "run": {**JOB["run"], "nonfinite": "skip", "max_skipped": 2}}))
-    train(path, tmp_path / "out", 2, env={"FSDP_TURBO_TEST_HOOK_NAN_LOSS_AT_STEP": "3"})
+    train(path, tmp_path / "out", 2, env={"FSDP_TURBO_FAULTS": "nan@3"})
     rows = metrics(tmp_path / "out")
     assert [r["step"] for r in rows] == list(range(1, 7)) and (tmp_path / "out" / "final").is_dir()
     assert rows[2]["skipped"] is True and rows[2]["skipped_steps"] == 1

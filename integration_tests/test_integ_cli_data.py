@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_integ_cli import TIMING, assert_same_weights, fsdp_turbo, metrics, train, weights
+from test_integ_cli import TIMING, assert_same_weights, checkpoint, fsdp_turbo, metrics, train, weights
 
 pytest.importorskip("datasets")
 pytestmark = pytest.mark.multirank
@@ -72,7 +72,7 @@ def test_eval_rows_the_plot_and_tensorboard(reference):
 
 
 def test_kill_9_recovers_bit_identically_with_mixed_sources(job_file, reference, tmp_path):
-    result = train(job_file, tmp_path, 2, "--max-restarts", 1, env={"FSDP_TURBO_TEST_HOOK_KILL_AT_STEP": "5:1"})
+    result = train(job_file, tmp_path, 2, "--max-restarts", 1, env={"FSDP_TURBO_FAULTS": "kill@5:1"})
     assert "exitcode: -9" in result.stderr and "step-4 at step 4" in result.stderr
     assert_same_weights(weights(tmp_path), weights(reference))
     assert metrics(tmp_path) == [{**row, **{k: r[k] for k in TIMING}}
@@ -82,11 +82,11 @@ def test_kill_9_recovers_bit_identically_with_mixed_sources(job_file, reference,
 def test_a_four_rank_checkpoint_goes_on_at_two_ranks_from_the_next_window(job_file, tmp_path):
     four, two = tmp_path / "four", tmp_path / "two"
     train(job_file, four, 4, "--max-steps", 3)
-    meta = json.loads((four / "checkpoints" / "step-3" / "meta.json").read_text())
+    meta = json.loads((checkpoint(four, 3) / "meta.json").read_text())
     assert meta["data"]["consumed"] == 3 * MICRO_BATCH * 4
     (two / "checkpoints").mkdir(parents=True)
-    train(job_file, two, 2, "--resume", four / "checkpoints" / "step-3")
-    meta = json.loads((two / "checkpoints" / "step-6" / "meta.json").read_text())
+    train(job_file, two, 2, "--resume", checkpoint(four, 3))
+    meta = json.loads((checkpoint(two, 6) / "meta.json").read_text())
     assert meta["data"]["consumed"] == 3 * MICRO_BATCH * 4 + 3 * MICRO_BATCH * 2
     assert [r["step"] for r in metrics(two)] == [4, 5, 6]
 

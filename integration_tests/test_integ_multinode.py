@@ -144,7 +144,7 @@ def wait_until_stopped(node: Node, timeout=300) -> None:
 
 # Node 1's workers stop themselves after step 5 (on the first attempt only); the test
 # then kills that node's agent and workers: a host lost after the step-4 checkpoint.
-LOSE_NODE_1 = {"FSDP_TURBO_TEST_HOOK_STOP_AT_STEP": "5:*"}
+LOSE_NODE_1 = {"FSDP_TURBO_FAULTS": "stop@5:*"}
 
 
 def losses(output) -> list[float]:
@@ -255,7 +255,7 @@ def test_a_stopped_worker_becomes_a_restart_not_a_hang(job_file, reference, tmp_
     stopped_job = tmp_path / "job.yaml"
     stopped_job.write_text(yaml.safe_dump(job))
     nodes = launch(stopped_job, tmp_path / "out", 2, None, "--max-restarts", 2,
-                   env={"FSDP_TURBO_TEST_HOOK_STOP_AT_STEP": "5:3"})
+                   env={"FSDP_TURBO_FAULTS": "stop@5:3"})
     finish(nodes)
     logs = "".join(node.text() for node in nodes)
     assert "Timed out waiting 10000ms" in logs, logs[-4000:]  # gloo's own message, at the job's timeout

@@ -1,18 +1,33 @@
-"""Checkpoints with ``torch.distributed.checkpoint``: written atomically, resumed by default.
+"""Checkpoints with ``torch.distributed.checkpoint``: each belongs to a run, is written
+atomically, and is read back as data only.
 
-``OUTPUT/checkpoints/step-N/`` holds the model and optimizer (DCP, sharded, reshardable to
-another world size or layout), each rank's RNG state (tensors only, loaded with
-``weights_only``) and ``meta.json`` (step, scheduler, data position). Every rank writes into
-``step-N.partial/``; only when all have finished does rank 0 add ``meta.json`` and rename
-the folder. A crash mid-save leaves a ``.partial`` folder that resume ignores.
+``OUTPUT/checkpoints/RUN/step-N/`` holds the model and optimizer (DCP, sharded,
+reshardable to another world size or layout), each rank's RNG states (tensors only,
+loaded with ``weights_only``) and ``meta.json`` (run, step, scheduler, data position).
+
+- **Runs.** A run is one training timeline: a fresh start gets a new id
+  (``run-YYYYMMDD-HHMMSS-xxxxxx``, UTC), and a resume from the newest checkpoint of a run
+  continues that run. A resume from an older checkpoint starts a new run, so its saves
+  never replace the checkpoints of the timeline it branched from. Retention (``keep``)
+  only ever deletes this run's own older checkpoints.
+- **Atomic.** Every rank writes into ``step-N.partial/``; only when all have finished does
+  rank 0 add ``meta.json``, flush everything to disk and rename the folder. A crash
+  mid-save leaves a ``.partial`` folder that resume ignores. A folder being replaced is
+  moved aside first and deleted only once the new one is in place.
+- **Data, never code.** DCP's metadata and non-tensor values are read through
+  ``fsdp_turbo.checkpoint.safe_dcp`` (an allow-list, ``weights_only``); ``meta.json`` is JSON.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
+import secrets
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +36,30 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from fsdp_turbo.checkpoint import safe_dcp
+from fsdp_turbo.core.agreement import every_rank_or_none
+from fsdp_turbo.core.device import get_rng_state, set_rng_state
+from fsdp_turbo.core.errors import CheckpointError
 from fsdp_turbo.core.logging import get_logger
 
 _log = get_logger(__name__)
 _STEP = re.compile(r"^step-(\d+)$")
 META = "meta.json"
-# A test hook, not a setting: exit this process after its shards are written, before the rename.
-CRASH_DURING_SAVE_ENV = "FSDP_TURBO_TEST_HOOK_CRASH_DURING_SAVE_AT_STEP"
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One complete checkpoint."""
+
+    path: Path
+    run: str  # the run that wrote it ("legacy" for a flat checkpoints/step-N of older versions)
+    step: int
+    saved_at: float  # seconds since the epoch, from meta.json
+
+
+def new_run_id() -> str:
+    return f"run-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
 
 def fsync_tree(folder: Path, *, files: bool = True) -> None:
@@ -44,72 +76,143 @@ def fsync_tree(folder: Path, *, files: bool = True) -> None:
         os.close(descriptor)
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def read_meta(folder: Path) -> dict[str, Any]:
+    """``meta.json`` of a checkpoint folder (JSON: data only)."""
+    path = folder / META
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        int(meta["step"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(META, str(path), f"delete {folder} (or move it away) and resume from another "
+                              "checkpoint", reason=f"it cannot be read as this project's checkpoint "
+                              f"metadata ({type(error).__name__}: {error})") from None
+    return meta
 
 
-def complete_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every complete checkpoint, oldest first."""
-    root = Path(output_dir) / "checkpoints"
-    found = []
-    for path in root.glob("step-*") if root.is_dir() else ():
-        match = _STEP.match(path.name)
-        if match and (path / META).is_file():
-            found.append((int(match.group(1)), path))
-    return sorted(found)
-
-
-def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
-    """``auto``: the latest complete checkpoint (or none); ``none``; or a folder."""
-    if resume == "none":
+def _saved(path: Path, run: str) -> Saved | None:
+    match = _STEP.match(path.name)
+    if not match or not (path / META).is_file():
         return None
+    meta = read_meta(path)
+    return Saved(path, str(meta.get("run", run)), int(match.group(1)), float(meta.get("saved_at", 0.0)))
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Saved]:
+    """Every complete checkpoint in the folder, of every run, oldest save first."""
+    root = Path(output_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [_saved(path, "legacy") for path in root.glob("step-*")]  # older versions' flat layout
+    found += [_saved(path, run.name) for run in root.iterdir() if run.is_dir() and not _STEP.match(run.name)
+              for path in run.glob("step-*")]
+    return sorted((s for s in found if s is not None), key=lambda s: (s.saved_at, s.step))
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a run starts: a checkpoint (or none) and the run id it saves under."""
+
+    checkpoint: Path | None
+    run: str
+    note: str  # one line for the log: what was chosen, and why
+
+
+def resolve_resume(resume: str, output_dir: str | Path, fresh_run: str) -> Resume:
+    """``auto``: the newest checkpoint in the folder (the last one saved, of any run);
+    ``none``; or a checkpoint folder. ``fresh_run`` is the id a new run gets (made once,
+    on rank 0, so that every rank uses the same)."""
+    saved = complete_checkpoints(output_dir)
+    if resume == "none" or (resume == "auto" and not saved):
+        runs = sorted({s.run for s in saved})
+        note = f"run {fresh_run}: a fresh start"
+        if runs:
+            note += (f"; {Path(output_dir) / CHECKPOINTS} holds {len(saved)} checkpoint(s) of {len(runs)} other "
+                     f"run(s) ({', '.join(runs[-3:])}), kept as they are")
+        return Resume(None, fresh_run, note)
     if resume == "auto":
-        found = complete_checkpoints(output_dir)
-        return found[-1][1] if found else None
-    path = Path(resume)
-    if not (path / META).is_file():
-        raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (no {META})")
-    return path
+        chosen = saved[-1]
+        note = f"from {chosen.path} (the newest of {len(saved)} checkpoint(s) here)"
+    else:
+        path = Path(resume)
+        chosen = _saved(path, "legacy") if path.is_dir() else None
+        if chosen is None:
+            raise CheckpointError("--resume", resume, "give a checkpoint folder (OUTPUT/checkpoints/RUN/step-N), "
+                                  "auto or none", reason=f"not a complete checkpoint (no step-N folder with {META})")
+        note = f"from {chosen.path}"
+    own = [s for s in saved if s.run == chosen.run]
+    if own and max(s.step for s in own) > chosen.step:  # a branch: its saves must not replace the others
+        return Resume(chosen.path, fresh_run, f"run {fresh_run}: resumed {note}, an older checkpoint of run "
+                      f"{chosen.run}, so a new run")
+    return Resume(chosen.path, chosen.run, f"run {chosen.run}: resumed {note}")
 
 
-def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    extra: dict[str, Any], keep: int) -> Path:
-    """Every rank calls this; returns the final folder."""
-    root = Path(output_dir) / "checkpoints"
-    final, partial = root / f"step-{step}", root / f"step-{step}.partial"
+def _move_into_place(partial: Path, final: Path) -> None:
+    # Never delete the old one first: move it aside, move the new one in, then drop the old.
+    aside = final.with_name(f"{final.name}.old")
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        final.rename(aside)
+    os.replace(partial, final)
+    fsync_tree(final.parent, files=False)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _retire(output_dir: Path, run: str, keep: int) -> None:
+    """Delete this run's checkpoints beyond the newest ``keep``; never another run's."""
+    own = sorted((s for s in complete_checkpoints(output_dir) if s.run == run), key=lambda s: s.step)
+    for old in own[:-keep]:
+        shutil.rmtree(old.path, ignore_errors=True)
+
+
+def save_checkpoint(output_dir: str | Path, run: str, step: int, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, extra: dict[str, Any], keep: int,
+                    device: torch.device, crash_after_shards: bool = False) -> Path:
+    """Every rank calls this; returns the final folder. ``crash_after_shards``: fault
+    injection (``cli.faults``), exit once the shards are written, before the rename."""
+    folder = Path(output_dir) / CHECKPOINTS / run
+    final, partial = folder / f"step-{step}", folder / f"step-{step}.partial"
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a crash
-        partial.mkdir(parents=True)
-    _barrier()
+    with every_rank_or_none("save_checkpoint", device):
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # left by a crash
+            partial.mkdir(parents=True)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(partial))
-    torch.save({"cpu_rng": torch.get_rng_state()}, partial / f"rng-rank{rank}.pt")
-    _barrier()
-    if os.environ.get(CRASH_DURING_SAVE_ENV) == str(step):
-        _log.warning(f"{CRASH_DURING_SAVE_ENV}={step}: exiting mid-save (fault injection)")
+    with every_rank_or_none("save_checkpoint", device):
+        torch.save(get_rng_state(device.type), partial / f"rng-rank{rank}.pt")
+    if crash_after_shards:
+        _log.warning(f"fault injection: exiting mid-save of step {step}", all_ranks=True)
         os._exit(17)
-    if rank == 0:
-        (partial / META).write_text(json.dumps({"step": step, **extra}, indent=1), encoding="utf-8")
-        fsync_tree(partial)  # every rank's files and the folder itself are on disk before the rename
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        fsync_tree(final.parent, files=False)
-        for _, old in complete_checkpoints(output_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    with every_rank_or_none("save_checkpoint", device):
+        if rank == 0:
+            meta = {"run": run, "step": step, "saved_at": time.time(), **extra}
+            (partial / META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+            fsync_tree(partial)  # every rank's files and the folder itself are on disk before the rename
+            _move_into_place(partial, final)
+            _retire(Path(output_dir), run, keep)
     return final
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Load model, optimizer and this rank's RNG; return ``meta.json`` (step, scheduler, data)."""
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    device: torch.device) -> dict[str, Any]:
+    """Load model, optimizer and this rank's RNG states; return ``meta.json``."""
+    with every_rank_or_none("load_checkpoint", device):
+        meta = read_meta(path)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=str(path))
+    safe_dcp.load(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng = path / f"rng-rank{rank}.pt"
-    if rng.is_file():  # absent when resuming at a larger world size
-        torch.set_rng_state(torch.load(rng, weights_only=True)["cpu_rng"])
-    return json.loads((path / META).read_text(encoding="utf-8"))
+    with every_rank_or_none("load_checkpoint", device):
+        if rng.is_file():  # absent when resuming at a larger world size
+            set_rng_state(_rng_states(rng), device.type)
+    return meta
+
+
+def _rng_states(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as error:
+        raise CheckpointError(path.name, str(path), "delete it (this rank then starts from a fresh RNG) or copy the "
+                              "checkpoint again", reason=f"it cannot be read as RNG states ({error})") from None

@@ -1,6 +1,11 @@
 """One rank of ``fsdp-turbo train`` (started by torchrun): build, resume, train, save, export.
 
     python -m torch.distributed.run --nproc-per-node 4 -m fsdp_turbo.cli.worker JOB.yaml
+
+Whatever one rank can fail at alone (a file its node cannot read, a rank-0 write, a batch)
+is followed by an all-ranks agreement (``core.agreement``): every rank then stops at
+once with that rank's message, instead of waiting in its next collective for the timeout.
+Everything that can be checked before step 1 is checked before step 1.
 """
 
 from __future__ import annotations
@@ -9,21 +14,25 @@ import argparse
 import logging
 import math
 import os
-import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fsdp_turbo.checkpoint import materialize, save_pretrained
-from fsdp_turbo.cli.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from fsdp_turbo.cli.data import load_data
+from fsdp_turbo.cli import faults as fault_injection
+from fsdp_turbo.cli.checkpoint import Resume, load_checkpoint, new_run_id, resolve_resume, save_checkpoint
+from fsdp_turbo.cli.data import EvalSet, TrainStream, load_data
 from fsdp_turbo.cli.evaluation import evaluate, items_per_rank
+from fsdp_turbo.cli.flops import flops_per_token
 from fsdp_turbo.cli.job_config import JobConfig
 from fsdp_turbo.cli.metrics import MetricsLog, TensorBoardLog, peak_tflops, plot_loss, progress_bar
 from fsdp_turbo.cli.model import build_model, fill_weights
 from fsdp_turbo.cli.optim import build_optimizer, build_scheduler, clip_grad_norm
+from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.device import (
     current_device,
     detect_device_type,
@@ -32,35 +41,14 @@ from fsdp_turbo.core.device import (
     peak_memory_bytes,
 )
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.parallel_state import ParallelState
 
 _log = get_logger("fsdp_turbo.cli.worker")  # not "__main__" under python -m
-# Test hooks, not settings (named so no user sets them by accident): "STEP:RANK" SIGKILLs
-# (a crash) or SIGSTOPs (a peer that stops responding) that rank after that step, on the
-# first attempt only; RANK "*" is every worker that has the variable (one node's, when
-# only that node's agent was started with it).
-KILL_ENV = "FSDP_TURBO_TEST_HOOK_KILL_AT_STEP"
-STOP_ENV = "FSDP_TURBO_TEST_HOOK_STOP_AT_STEP"
-
-
-# A test hook: "STEP" makes that step's loss NaN on every rank (the non-finite guards' tests).
-NAN_ENV = "FSDP_TURBO_TEST_HOOK_NAN_LOSS_AT_STEP"
 
 
 class NonFiniteLoss(RuntimeError):
     """A step gave a non-finite loss or gradient norm and the job was told to stop (or to skip,
     and skipped too many)."""
-
-
-def _maybe_signal(step: int, rank: int) -> None:
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    for variable, sent in ((KILL_ENV, signal.SIGKILL), (STOP_ENV, signal.SIGSTOP)):
-        target = os.environ.get(variable)
-        if not target:
-            continue
-        at_step, at_rank = target.split(":")
-        if int(at_step) == step and at_rank in ("*", str(rank)):
-            os.kill(os.getpid(), sent)
 
 
 def _world_mean(value: torch.Tensor) -> float:
@@ -69,14 +57,6 @@ def _world_mean(value: torch.Tensor) -> float:
         dist.all_reduce(value)
         value /= dist.get_world_size()
     return float(value)
-
-
-def _flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    # 6 N (forward + backward matmuls) + attention scores 12 L H S, as in the PaLM appendix.
-    config = getattr(model, "config", None)
-    params = sum(p.numel() for p in model.parameters())
-    layers, hidden = getattr(config, "num_hidden_layers", 0), getattr(config, "hidden_size", 0)
-    return 6 * params + 12 * layers * hidden * seq_len
 
 
 def _on_nonfinite(run, step: int, loss: float, grad_norm: float, skipped: int) -> int:
@@ -93,116 +73,220 @@ def _on_nonfinite(run, step: int, loss: float, grad_norm: float, skipped: int) -
     return skipped
 
 
-def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None) -> dict:
-    """Train ``job`` from its latest checkpoint (``resume``). ``stop_at_step`` ends the run
-    cleanly after that step, with a checkpoint, as at the end of a time-limited allocation;
-    the learning-rate schedule still spans ``run.steps``."""
+def _same_on_every_rank(value: str) -> str:
+    """Rank 0's ``value`` (a run id made from the clock and random bits) on every rank."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@dataclass
+class Session:
+    """A training run once it is set up: what every step uses."""
+
+    job: JobConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    loader: TrainStream
+    held_out: EvalSet | None
+    state: ParallelState
+    device: torch.device
+    run_id: str
+    start: int  # the last step already done (0 for a fresh start)
+    skipped: int
+    accumulation: int
+    flops_per_token: float
+    faults: fault_injection.Faults | None
+    metrics: MetricsLog | None = None  # rank 0
+    board: TensorBoardLog | None = None  # rank 0, when asked for
+
+    @property
+    def rank0(self) -> bool:
+        return self.state.rank == 0
+
+
+def _resume_point(job: JobConfig, resume: str, device: torch.device) -> Resume:
+    fresh = _same_on_every_rank(new_run_id())
+    with every_rank_or_none("find the checkpoint to resume", device):
+        point = resolve_resume(resume, job.output_dir, fresh)
+    _log.info(point.note)
+    return point
+
+
+def _setup(job: JobConfig, resume: str, accumulation: int, faults) -> Session:
+    """Everything before step 1, each part agreed on by every rank."""
+    run, output = job.run, Path(job.output_dir)
+    device = current_device(detect_device_type(job.turbo.device_type))
+    with every_rank_or_none("build the model", device):
+        model = build_model(job.model)  # on the meta device
+    with every_rank_or_none("load the data", device):
+        data = load_data(job.data, output, run.seed, vocab_size=getattr(model.config, "vocab_size", None))
+    tokens_flops = flops_per_token(model, job.data.seq_len)
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
-    run, output = job.run, Path(job.output_dir)
-    # Checked before any process group: sizes, and the accumulation a global batch implies.
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    accumulation = run.accumulation(job.turbo.validate(world).dp_replicate_x_fsdp)
-    if world > 1 and not dist.is_initialized():
-        init_process_group(detect_device_type(job.turbo.device_type), run.collective_timeout_s)
-        # What torchrun's agent on this node gave this worker (the device index and the
-        # node layout come from these); a multi-node log shows every rank's place.
-        _log.info(f"rank {dist.get_rank()}: local rank {os.environ.get('LOCAL_RANK')} of "
-                  f"{os.environ.get('LOCAL_WORLD_SIZE')} on node {os.environ.get('GROUP_RANK')}", all_ranks=True)
-    model = build_model(job.model)  # on the meta device
-    # Before any process group: a bad data source fails here, alike on every rank.
-    data = load_data(job.data, output, run.seed, vocab_size=getattr(model.config, "vocab_size", None))
-    loader, held_out = data.train, data.eval
-    flops_per_token = _flops_per_token(model, job.data.seq_len)
     model = FSDPTurbo(job.turbo, model)
     state = model.parallel_state
-    rank0 = state.rank == 0
-    checkpoint = resolve_resume(resume, output)
-    if checkpoint is None:
+    point = _resume_point(job, resume, device)
+    if point.checkpoint is None:
         report = fill_weights(model, job.model, run.seed)
         if report is not None:
             _log.info(f"loaded {job.model.model_name_or_path}: this rank read {report.read_bytes / 2**20:,.1f} MiB "
                       f"of {report.checkpoint_bytes / 2**20:,.1f} MiB")
     else:
         materialize(model)  # the values come from the checkpoint below
-    params = list(model.parameters())
-    optimizer = build_optimizer(params, job.optimizer)
+    optimizer = build_optimizer(list(model.parameters()), job.optimizer)
     scheduler = build_scheduler(optimizer, job.optimizer, run.steps)
-    start, skipped = 0, 0
-    if checkpoint is not None:
-        meta = load_checkpoint(checkpoint, model, optimizer)
-        scheduler.load_state_dict(meta["scheduler"])
-        loader.load_state_dict(meta["data"])
-        start, skipped = int(meta["step"]), int(meta.get("skipped_steps", 0))
-        _log.info(f"resumed from {checkpoint} at step {start}")
-    metrics = MetricsLog(output, start) if rank0 else None
-    board = TensorBoardLog(output) if rank0 and job.logging.tensorboard else None
-    device = current_device(state.device_type)
-    peak = peak_tflops(device_name(device.type))
-    tokens_per_step = run.micro_batch * state.dp_size * accumulation * job.data.seq_len
-    bar = progress_bar(run.steps, start, rank0)
-    last = min(run.steps, stop_at_step) if stop_at_step is not None else run.steps
-    for step in range(start + 1, last + 1):
-        began = time.perf_counter()
-        total = torch.zeros((), device=device)
-        poison = float("nan") if os.environ.get(NAN_ENV) == str(step) else 1.0
-        batches = [loader.next_batch(run.micro_batch, state.dp_rank, state.dp_size) for _ in range(accumulation)]
-        data_wait = time.perf_counter() - began  # the loop waits for nothing else before the forward
-        items = items_per_rank(batches, device)  # the step's loss is its global token mean (see evaluation)
-        for batch in batches:
-            loss = model(**batch.to(device).model_inputs(), num_items_in_batch=items).loss * poison
-            loss.backward()
-            total += loss.detach()
-        # Both are the same on every rank (a world mean, a global norm), so every rank decides alike.
-        loss_value = _world_mean(total)
-        grad_norm = clip_grad_norm(params, job.optimizer.grad_clip)
-        lr = scheduler.get_last_lr()[0]
-        finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
-        if not finite:
-            skipped = _on_nonfinite(run, step, loss_value, grad_norm, skipped)
-            optimizer.zero_grad(set_to_none=True)  # the step is dropped: no update
-        else:
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-        seconds = time.perf_counter() - began
-        evaluation = {}
-        if held_out is not None and step % job.data.eval.every == 0:
-            evaluation = evaluate(model, held_out, run.micro_batch, job.data.eval.batches, state.dp_rank,
-                                  state.dp_size, device)
-        tokens_per_s = tokens_per_step / seconds
-        tflops = flops_per_token * tokens_per_s / state.world_size / 1e12
-        if rank0:
-            peak_mib = peak_memory_bytes(device.type) / 2**20
-            row = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                   "tokens_per_s": tokens_per_s, "tflops_per_rank": tflops, "peak_memory_mib": peak_mib,
-                   "data_wait_s": data_wait, "step_s": seconds, "world_size": state.world_size}
-            row.update(evaluation)
-            if skipped:
-                row.update(skipped=not finite, skipped_steps=skipped)
-            if peak:
-                row["mfu"] = tflops / peak
-            metrics.write(row)
-            if board is not None:
-                board.write(row)
-            shown = {"eval": f"{evaluation['eval_loss']:.4f}"} if evaluation else {}
-            bar.set_postfix(loss=f"{loss_value:.4f}", **shown, tok_s=f"{tokens_per_s:,.0f}", tflops=f"{tflops:.3f}",
-                            **({"mfu": f"{row['mfu']:.1%}"} if peak else {}), peak_mem=f"{peak_mib:,.0f}MiB")
+    session = Session(job, model, optimizer, scheduler, data.train, data.eval, state, device, point.run, 0, 0,
+                      accumulation, tokens_flops, faults)
+    if point.checkpoint is not None:
+        meta = load_checkpoint(point.checkpoint, model, optimizer, device)
+        with every_rank_or_none("resume", device):
+            scheduler.load_state_dict(meta["scheduler"])
+            session.loader.load_state_dict(meta["data"])
+            session.start, session.skipped = int(meta["step"]), int(meta.get("skipped_steps", 0))
+        _log.info(f"resumed from {point.checkpoint} at step {session.start}")
+    with every_rank_or_none("check the eval set", device):
+        if session.held_out is not None:  # too small a set fails now, not at the first evaluation
+            session.held_out.batches(run.micro_batch, state.dp_rank, state.dp_size, job.data.eval.batches)
+    with every_rank_or_none("open the logs", device):
+        if session.rank0:
+            session.metrics = MetricsLog(output, session.start)
+            session.board = TensorBoardLog(output) if job.logging.tensorboard else None
+    return session
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    finite: bool
+    data_wait_s: float
+    step_s: float
+
+
+def _train_step(session: Session, step: int) -> StepResult:
+    job, state, device = session.job, session.state, session.device
+    began = time.perf_counter()
+    total = torch.zeros((), device=device)
+    with every_rank_or_none(f"read the batches of step {step}", device):
+        batches = [session.loader.next_batch(job.run.micro_batch, state.dp_rank, state.dp_size)
+                   for _ in range(session.accumulation)]
+    data_wait = time.perf_counter() - began  # the loop waits for nothing else before the forward
+    items = items_per_rank(batches, device)  # the step's loss is its global token mean (see evaluation)
+    poisoned = session.faults is not None and session.faults.nan_loss(step)
+    for batch in batches:
+        loss = session.model(**batch.to(device).model_inputs(), num_items_in_batch=items).loss
+        if poisoned:
+            loss = loss * float("nan")
+        loss.backward()
+        total += loss.detach()
+    # Both are the same on every rank (a world mean, a global norm), so every rank decides alike.
+    loss_value = _world_mean(total)
+    grad_norm = clip_grad_norm(list(session.model.parameters()), job.optimizer.grad_clip)
+    lr = session.scheduler.get_last_lr()[0]
+    finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+    if not finite:
+        session.skipped = _on_nonfinite(job.run, step, loss_value, grad_norm, session.skipped)
+    else:
+        session.optimizer.step()
+        session.scheduler.step()
+    session.optimizer.zero_grad(set_to_none=True)  # a dropped step leaves no update behind
+    return StepResult(loss_value, grad_norm, lr, finite, data_wait, time.perf_counter() - began)
+
+
+def _metrics_row(session: Session, step: int, result: StepResult, evaluation: dict[str, float]) -> dict[str, Any]:
+    job, state = session.job, session.state
+    tokens_per_step = job.run.micro_batch * state.dp_size * session.accumulation * job.data.seq_len
+    tokens_per_s = tokens_per_step / result.step_s
+    tflops = session.flops_per_token * tokens_per_s / state.world_size / 1e12
+    row = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+           "tokens_per_s": tokens_per_s, "tflops_per_rank": tflops,
+           "peak_memory_mib": peak_memory_bytes(session.device.type) / 2**20,
+           "data_wait_s": result.data_wait_s, "step_s": result.step_s, "world_size": state.world_size}
+    row.update(evaluation)
+    if session.skipped:
+        row.update(skipped=not result.finite, skipped_steps=session.skipped)
+    peak = peak_tflops(device_name(session.device.type))
+    if peak:
+        row["mfu"] = tflops / peak
+    return row
+
+
+def _report(session: Session, step: int, row: dict[str, Any], bar) -> None:
+    """Rank 0 writes the row (metrics.jsonl, TensorBoard, the bar); every rank agrees it did."""
+    with every_rank_or_none(f"write the metrics of step {step}", session.device):
+        if session.rank0:
+            session.metrics.write(row)
+            if session.board is not None:
+                session.board.write(row)
+            shown = {"eval": f"{row['eval_loss']:.4f}"} if "eval_loss" in row else {}
+            if "mfu" in row:
+                shown["mfu"] = f"{row['mfu']:.1%}"
+            bar.set_postfix(loss=f"{row['loss']:.4f}", **shown, tok_s=f"{row['tokens_per_s']:,.0f}",
+                            tflops=f"{row['tflops_per_rank']:.3f}", peak_mem=f"{row['peak_memory_mib']:,.0f}MiB")
             bar.update(1)
-        _maybe_signal(step, state.rank)
+
+
+def _save(session: Session, step: int) -> None:
+    loader, state = session.loader, session.state
+    extra = {"scheduler": session.scheduler.state_dict(), "data": loader.state_dict(),
+             "world_size": state.world_size, "layout": state.describe(), "skipped_steps": session.skipped}
+    crash = session.faults is not None and session.faults.crash_during_save(step)
+    save_checkpoint(session.job.output_dir, session.run_id, step, session.model, session.optimizer, extra,
+                    session.job.checkpoint.keep, session.device, crash_after_shards=crash)
+
+
+def _finish(session: Session) -> None:
+    """The end of the whole job: the model in transformers' layout, and the loss plot."""
+    output = Path(session.job.output_dir)
+    save_pretrained(session.model, output / "final")
+    with every_rank_or_none("plot the loss", session.device):
+        if session.rank0:
+            plot_loss(output)
+
+
+def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None) -> dict:
+    """Train ``job`` from its latest checkpoint (``resume``). ``stop_at_step`` ends the run
+    cleanly after that step, with a checkpoint, as at the end of a time-limited allocation;
+    the learning-rate schedule still spans ``run.steps``."""
+    run = job.run
+    # Checked before any process group: sizes, the accumulation a global batch implies, and
+    # the fault-injection variable (tests only; see cli.faults).
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    accumulation = run.accumulation(job.turbo.validate(world).dp_replicate_x_fsdp)
+    faults = fault_injection.arm()
+    if world > 1 and not dist.is_initialized():
+        init_process_group(detect_device_type(job.turbo.device_type), run.collective_timeout_s)
+        # What torchrun's agent on this node gave this worker (the device index and the
+        # node layout come from these); a multi-node log shows every rank's place.
+        _log.info(f"rank {dist.get_rank()}: local rank {os.environ.get('LOCAL_RANK')} of "
+                  f"{os.environ.get('LOCAL_WORLD_SIZE')} on node {os.environ.get('GROUP_RANK')}", all_ranks=True)
+    session = _setup(job, resume, accumulation, faults)
+    bar = progress_bar(run.steps, session.start, session.rank0)
+    last = min(run.steps, stop_at_step) if stop_at_step is not None else run.steps
+    for step in range(session.start + 1, last + 1):
+        result = _train_step(session, step)
+        evaluation = {}
+        if session.held_out is not None and step % job.data.eval.every == 0:
+            state = session.state
+            evaluation = evaluate(session.model, session.held_out, run.micro_batch, job.data.eval.batches,
+                                  state.dp_rank, state.dp_size, session.device)
+        _report(session, step, _metrics_row(session, step, result, evaluation), bar)
+        if faults is not None:
+            faults.after_step(step, session.state.rank)
         save_every = job.checkpoint.save_every
         if (save_every and step % save_every == 0) or step == last:
-            extra = {"scheduler": scheduler.state_dict(), "data": loader.state_dict(),
-                     "world_size": state.world_size, "layout": state.describe(), "skipped_steps": skipped}
-            save_checkpoint(output, step, model, optimizer, extra, job.checkpoint.keep)
+            _save(session, step)
     bar.close()
-    if board is not None:
-        board.close()
+    if session.board is not None:
+        session.board.close()
     if last == run.steps:
-        save_pretrained(model, output / "final")
-        if rank0:
-            plot_loss(output)
-    return {"last_step": last, "resumed_from": start}
+        _finish(session)
+    return {"last_step": last, "resumed_from": session.start, "run": session.run_id}
 
 
 def main(argv: list[str] | None = None) -> None:

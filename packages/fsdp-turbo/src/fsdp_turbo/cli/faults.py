@@ -1,0 +1,82 @@
+"""Fault injection for the command's own tests: armed once at start-up, from one variable.
+
+    FSDP_TURBO_FAULTS="kill@5:1,nan@3"
+
+=================  ====================================================================
+``kill@STEP:RANK``   SIGKILL that rank after step STEP (a crash)
+``stop@STEP:RANK``   SIGSTOP that rank after step STEP (a peer that stops responding)
+``nan@STEP``         that step's loss is NaN on every rank (the non-finite guards)
+``crash_save@STEP``  every rank exits once its shards of step STEP are written, before
+                     the checkpoint is renamed into place (an interrupted save)
+=================  ====================================================================
+
+``RANK`` is a global rank, or ``*`` for every worker that has the variable (one node's,
+when only that node's agent was started with it). Faults fire on a job's first attempt
+only: a torchrun restart runs clean. The variable is read and checked once, before any
+process group; a malformed value is a ``ConfigError`` on every rank. When it is unset,
+``arm`` returns ``None`` and the training loop does not consult this module at all.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from dataclasses import dataclass
+
+from fsdp_turbo.core.errors import ConfigError
+
+VARIABLE = "FSDP_TURBO_FAULTS"
+FORMAT = "comma-separated kill@STEP:RANK, stop@STEP:RANK, nan@STEP or crash_save@STEP (RANK: a number or *)"
+_ENTRY = re.compile(r"^(?P<kind>kill|stop|nan|crash_save)@(?P<step>\d+)(?::(?P<rank>\d+|\*))?$")
+_SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # kill, stop, nan, crash_save
+    step: int
+    rank: str | None  # "3", "*", or None for faults of every rank (nan, crash_save)
+
+    def hits(self, step: int, rank: int) -> bool:
+        return step == self.step and self.rank in (None, "*", str(rank))
+
+
+@dataclass(frozen=True)
+class Faults:
+    faults: tuple[Fault, ...]
+
+    def _due(self, kind: str, step: int, rank: int) -> bool:
+        return any(f.kind == kind and f.hits(step, rank) for f in self.faults)
+
+    def nan_loss(self, step: int) -> bool:
+        return self._due("nan", step, 0)
+
+    def crash_during_save(self, step: int) -> bool:
+        return self._due("crash_save", step, 0)
+
+    def after_step(self, step: int, rank: int) -> None:
+        """Kill or stop this process, where a fault says so."""
+        for kind, sent in _SIGNALS.items():
+            if self._due(kind, step, rank):
+                os.kill(os.getpid(), sent)
+
+
+def parse(value: str) -> Faults:
+    faults = []
+    for entry in value.replace(" ", "").split(","):
+        match = _ENTRY.match(entry)
+        if match is None or (match["kind"] in _SIGNALS) != (match["rank"] is not None):
+            raise ConfigError(VARIABLE, value, f"unset it, or give {FORMAT}",
+                              reason=f"cannot read {entry!r}")
+        faults.append(Fault(match["kind"], int(match["step"]), match["rank"]))
+    return Faults(tuple(faults))
+
+
+def arm() -> Faults | None:
+    """The faults this process was started with, or ``None`` (unset, or a restarted attempt)."""
+    value = os.environ.get(VARIABLE)
+    if not value:
+        return None
+    faults = parse(value)  # checked on every attempt, so a bad value never waits for a restart
+    return None if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" else faults
