@@ -205,8 +205,12 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng = path / f"rng-rank{rank}.pt"
     with every_rank_or_none("load_checkpoint", device):
-        if rng.is_file():  # absent when resuming at a larger world size
+        if rng.is_file():
             set_rng_state(_rng_states(rng), device.type)
+        elif rank < int(meta.get("world_size", 0)):  # absent only for ranks the saving job did not have
+            raise CheckpointError(rng.name, str(rng), "copy the checkpoint folder again, whole",
+                                  reason=f"the checkpoint was saved by {meta['world_size']} ranks, and rank "
+                                  f"{rank}'s RNG states are missing")
     return meta
 
 

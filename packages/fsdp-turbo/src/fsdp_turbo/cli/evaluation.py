@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_turbo.cli.data import Batch, EvalSet
+from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.errors import ConfigError
 
 
@@ -37,6 +38,23 @@ def items_per_rank(batches: list[Batch], device: torch.device) -> torch.Tensor:
     (total,) = _world_sum([float(sum(b.loss_tokens() for b in batches))], device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     return torch.tensor(max(total / world, 1.0), device=device)
+
+
+def _require_loss_tokens(tokens: float, batches: int) -> None:
+    if not tokens:  # the same on every rank (a world sum): a loss of 0 here would be a number that misleads
+        raise ConfigError("data.eval.batches", batches, "add held-out data that carries loss (for SFT: assistant "
+                          "turns) or evaluate more batches", reason="the eval batches hold no loss tokens on any "
+                          "data shard")
+
+
+def check_eval_set(held_out: EvalSet, micro_batch: int, batches: int, dp_rank: int, dp_size: int,
+                   device: torch.device) -> None:
+    """Before step 1, what ``evaluate`` would find at its first call: a set too small for
+    ``batches`` (on this rank), or no loss token in them (on any rank: a collective)."""
+    with every_rank_or_none("check the eval set", device):
+        count = sum(b.loss_tokens() for b in held_out.batches(micro_batch, dp_rank, dp_size, batches))
+    (tokens,) = _world_sum([float(count)], device)
+    _require_loss_tokens(tokens, batches)
 
 
 @torch.no_grad()
@@ -59,9 +77,6 @@ def evaluate(model: torch.nn.Module, held_out: EvalSet, micro_batch: int, batche
     finally:
         model.train(was_training)
     weighted, tokens = _world_sum([weighted, tokens], device)
-    if not tokens:  # the same on every rank (a world sum): a loss of 0 here would be a number that misleads
-        raise ConfigError("data.eval.batches", batches, "add held-out data that carries loss (for SFT: assistant "
-                          "turns) or evaluate more batches", reason="the eval batches hold no loss tokens on any "
-                          "data shard")
+    _require_loss_tokens(tokens, batches)
     loss = weighted / tokens
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}

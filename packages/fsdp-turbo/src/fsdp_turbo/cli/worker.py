@@ -26,7 +26,7 @@ from fsdp_turbo.checkpoint import materialize, save_pretrained
 from fsdp_turbo.cli import faults as fault_injection
 from fsdp_turbo.cli.checkpoint import Resume, load_checkpoint, new_run_id, resolve_resume, save_checkpoint
 from fsdp_turbo.cli.data import EvalSet, TrainStream, load_data
-from fsdp_turbo.cli.evaluation import evaluate, items_per_rank
+from fsdp_turbo.cli.evaluation import check_eval_set, evaluate, items_per_rank
 from fsdp_turbo.cli.flops import flops_per_token
 from fsdp_turbo.cli.job_config import JobConfig
 from fsdp_turbo.cli.metrics import MetricsLog, TensorBoardLog, peak_tflops, plot_loss, progress_bar
@@ -148,9 +148,8 @@ def _setup(job: JobConfig, resume: str, accumulation: int, faults) -> Session:
             session.loader.load_state_dict(meta["data"])
             session.start, session.skipped = int(meta["step"]), int(meta.get("skipped_steps", 0))
         _log.info(f"resumed from {point.checkpoint} at step {session.start}")
-    with every_rank_or_none("check the eval set", device):
-        if session.held_out is not None:  # too small a set fails now, not at the first evaluation
-            session.held_out.batches(run.micro_batch, state.dp_rank, state.dp_size, job.data.eval.batches)
+    if session.held_out is not None:  # a set too small, or without loss, fails now, not at the first evaluation
+        check_eval_set(session.held_out, run.micro_batch, job.data.eval.batches, state.dp_rank, state.dp_size, device)
     with every_rank_or_none("open the logs", device):
         if session.rank0:
             session.metrics = MetricsLog(output, session.start)

@@ -115,15 +115,23 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def load(state: dict[str, Any], path: str | Path) -> None:
-    """``dcp.load(state, checkpoint_id=path)`` through the safe reader and planner. A refused
-    file is the ``CheckpointError`` itself (DCP wraps a rank's error in its own exception)."""
+    """``dcp.load(state, checkpoint_id=path)`` through the safe reader and planner.
+
+    DCP gathers every rank's read errors and raises them on every rank as one
+    ``CheckpointException`` (a ``BaseException``, which ``except Exception`` misses); it
+    becomes a ``CheckpointError`` naming the first failing rank's error (a refused file:
+    that error itself), so every rank stops with the same clear message."""
     path = Path(path)
     read_metadata(path)  # a refused metadata file fails here, before any collective
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(path))
     except CheckpointException as error:
         # each failure is (the rank's exception, its traceback)
-        refused = [failure[0] for failure in error.failures.values() if isinstance(failure[0], CheckpointError)]
+        failures = sorted((rank, failure[0]) for rank, failure in error.failures.items())
+        refused = [e for _, e in failures if isinstance(e, CheckpointError)]
         if refused:
             raise refused[0] from None
-        raise
+        rank, first = failures[0]
+        raise CheckpointError(path.name, str(path), "copy the checkpoint folder again, whole, or resume from another "
+                              "checkpoint", reason=f"it cannot be read: on rank {rank}, {type(first).__name__}: "
+                              f"{first}") from None
