@@ -2,18 +2,30 @@
 
 Both give the same small surface the data pipeline needs: encode a batch of documents,
 decode for ``fsdp-turbo data --show``, the padding id, a chat template (HF only) and a
-fingerprint that changes whenever the tokenizer's files do (the cache key).
+fingerprint that changes whenever the tokenizer's own files do (part of the cache key and of
+the data identity a resume checks).
+
+A tokenizer folder is often the model's folder: the fingerprint reads only the files a
+tokenizer is loaded from, streamed, never the weights beside them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
 from fsdp_turbo.core.errors import ConfigError
 
 BYTE = "byte"
+# What ``PreTrainedTokenizerBase.from_pretrained`` reads from a folder besides the class's own
+# ``vocab_files_names``: its additional files, and the vocabularies a fast tokenizer can be
+# converted from when tokenizer.json is missing (BPE, WordPiece, sentencepiece, tiktoken, tekken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "vocab.txt",
+                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "tiktoken.model", "tekken.json")
+CHAT_TEMPLATES = "additional_chat_templates"  # a folder of named *.jinja templates
 
 
 class ByteTokenizer:
@@ -47,11 +59,7 @@ class HFTokenizer:
         self.eos_id = self.hf.eos_token_id
         self.pad_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else (self.eos_id or 0)
         self.chat_template = self.hf.chat_template
-        digest = hashlib.sha256()
-        for path in sorted(self.folder.iterdir()):
-            if path.is_file():
-                digest.update(path.name.encode() + b"\0" + path.read_bytes())
-        self.fingerprint = f"hf-{digest.hexdigest()[:16]}"
+        self.fingerprint = fingerprint(self.folder, type(self.hf))
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         # The Rust backend's batch call without character offsets: the same ids as
@@ -72,6 +80,28 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=False)
+
+
+def tokenizer_files(folder: Path, tokenizer_class: type) -> list[Path]:
+    """The files of ``folder`` that ``tokenizer_class`` is loaded from, sorted by name."""
+    names = set(TOKENIZER_FILES) | set(getattr(tokenizer_class, "vocab_files_names", {}).values())
+    config = folder / "tokenizer_config.json"
+    if config.is_file():  # versioned tokenizer.json files ("tokenizer.4.0.json"), picked by version
+        names |= set(json.loads(config.read_text(encoding="utf-8")).get("fast_tokenizer_files", []))
+    files = [folder / name for name in names if (folder / name).is_file()]
+    files += (folder / CHAT_TEMPLATES).glob("*.jinja")
+    return sorted(files)
+
+
+def fingerprint(folder: Path, tokenizer_class: type) -> str:
+    """A digest of the tokenizer's files (names and contents, read in blocks). Not of its
+    class, which a transformers upgrade may rename while the files stay the same."""
+    digest = hashlib.sha256()
+    for path in tokenizer_files(folder, tokenizer_class):
+        with path.open("rb") as handle:
+            content = hashlib.file_digest(handle, "sha256").digest()
+        digest.update(str(path.relative_to(folder)).encode() + b"\0" + content)
+    return f"hf-{digest.hexdigest()[:16]}"
 
 
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
