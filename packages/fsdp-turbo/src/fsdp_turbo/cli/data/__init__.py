@@ -4,7 +4,8 @@
     sources.py    files -> a datasets table (jsonl, json, parquet, csv, txt, arrow, save_to_disk)
     chat.py       SFT: the chat template and the assistant-only labels
     packing.py    document lengths -> seq_len windows
-    prepare.py    tokenize + pack once per (tokenizer, files, settings), cached, one process at a time
+    prepare.py    tokenize + pack once per (tokenizer, files, settings), cached, one process at a time;
+                  each source's data identity (what a resume checks)
     mixture.py    the seeded, weighted, resumable order of windows
     loader.py     windows -> batches; the loader state
     show.py       ``fsdp-turbo data``: the first sequences, decoded, and statistics
@@ -48,7 +49,8 @@ def load_data(data, output_dir: str | Path, seed: int, vocab_size: int | None = 
     tokenizer = load_tokenizer(data.tokenizer)
     check_vocab(tokenizer, vocab_size)
     cache = Path(data.cache_dir) if data.cache_dir else Path(output_dir) / "data_cache"
-    settings = {"seq_len": data.seq_len, "packing": data.packing, "overflow": data.overflow, "cache_dir": cache}
+    settings = {"seq_len": data.seq_len, "packing": data.packing, "overflow": data.overflow, "cache_dir": cache,
+                "lock_timeout_s": data.cache_lock_timeout_s}
     if data.sources is None:  # the shorthand: all the files are one text source
         train_specs, weights = [SourceSpec("data.files", data.files, "text", None, data.max_bytes)], [1.0]
     else:

@@ -12,7 +12,9 @@ A window becomes one row of four tensors:
 Training takes the stream of ``mixture.Mixture``: a step's global batch is its next
 ``micro_batch x dp_size`` windows, data shard ``dp_rank`` the ``micro_batch`` at
 ``dp_rank``. The state is the number of windows consumed, so a resume continues the same
-stream, at any data-parallel size, and takes every window exactly once.
+stream, at any data-parallel size, and takes every window exactly once. It also holds the
+seed and each source's data identity (see ``prepare``): a resume on other data is refused,
+one on a copy of the same data (another node, another folder) is not.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import torch
 from fsdp_turbo.cli.data.mixture import Mixture
 from fsdp_turbo.cli.data.prepare import PreparedSource
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.logging import get_logger
 
+_log = get_logger(__name__)
 IGNORE = -100
 
 
@@ -105,13 +109,21 @@ class TrainStream:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed": self.consumed, "seed": self.seed, "sources": [s.key for s in self.sources]}
+        return {"consumed": self.consumed, "seed": self.seed, "identities": [s.identity for s in self.sources]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("sources") != [s.key for s in self.sources] or state.get("seed") != self.seed:
+        legacy = "identities" not in state  # it names cache keys, which cannot be compared with identities
+        if legacy:
+            same = len(state.get("sources", ())) == len(self.sources)
+        else:
+            same = state["identities"] == [s.identity for s in self.sources]
+        if not same or state.get("seed") != self.seed:
             raise ConfigError("data", {"seed": self.seed, "sources": [s.spec.path for s in self.sources]},
                               "resume with the job's own data, tokenizer and run.seed, or with --resume none",
                               reason="the checkpoint was written for other data")
+        if legacy:
+            _log.warning("the checkpoint's data position comes from a version without data identities: its data "
+                         "cannot be checked and is taken to be this job's")
         self.consumed = int(state["consumed"])
 
 

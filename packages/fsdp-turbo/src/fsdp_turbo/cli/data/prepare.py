@@ -1,15 +1,30 @@
 """Tokenize and pack each source once, and keep the result in a cache.
 
-The cache key is a digest of everything the result depends on: the tokenizer's files,
-the source's files (names, sizes, modification times) and fields, ``seq_len``,
-``packing``, ``overflow`` and ``max_bytes``. ``CACHE/<key>/`` holds the tokens (an Arrow
-file, memory-mapped when read), the windows (``windows.npz``) and ``stats.json``; it is
-written into ``<key>.partial`` and renamed, so it is never seen half-written.
+Two digests describe a prepared source, both over the tokenizer's fingerprint, the source's
+fields, ``seq_len``, ``packing``, ``overflow`` and ``max_bytes``:
+
+- the cache key, where the result lives, adds the state of each file: path, size, mtime,
+  inode and ctime. A file rewritten in place gets a new ctime, which ``os.utime`` cannot set
+  back, and a file replaced by another a new inode. Nothing is read: a start costs a
+  ``stat`` a file, however large the corpus.
+- the data identity, what the tokens are, adds instead a digest of the files' contents,
+  read once when the source is built and kept in the entry. A copy of the files (another
+  node, another folder) has the same identity, and a resume checks the identity
+  (``TrainStream.load_state_dict``), not the key.
+
+``CACHE/<key>/`` holds the tokens (an Arrow file, memory-mapped when read), the windows
+(``windows.npz``), ``stats.json`` and, written last, ``manifest.json`` (the format, the
+identity and each file's size). It is built in ``<key>.partial.<pid>``, flushed to disk
+and renamed, so it is never seen half-written; a partial folder is removed when its build
+fails, and by the next build of that key when its process died. An entry that is damaged
+nevertheless (a file truncated, missing or garbled) is found when it is opened, reported
+once and built again; if it is still unreadable, a ``ConfigError`` names the folder.
 
 Every rank of every node calls ``prepare_source`` before any process group exists. A file
-lock makes one process per cache folder do the work while the others wait for it; they
-then find the cache. A bad source fails in the process that holds the lock, and then
-again, identically, in each of the others, so every rank reports the same error.
+lock per entry makes one process do the work while the others wait for it, at most
+``data.cache_lock_timeout_s``; they then find the cache. A bad source fails in the process
+that holds the lock, and then again, identically, in each of the others, so every rank
+reports the same error.
 """
 
 from __future__ import annotations
@@ -18,6 +33,9 @@ import hashlib
 import json
 import os
 import shutil
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +46,12 @@ from fsdp_turbo.cli.data.chat import check_messages, render_conversation
 from fsdp_turbo.cli.data.packing import Windows, cut_documents, pack
 from fsdp_turbo.cli.data.sources import check_columns, load_table, resolve_files
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.logging import get_logger
 
-FORMAT = 1  # bump when the cached layout changes
-TOKENS = "tokens.arrow"
+_log = get_logger(__name__)
+FORMAT = 2  # bump when the cached layout changes
+TOKENS, WINDOWS, STATS, MANIFEST = "tokens.arrow", "windows.npz", "stats.json", "manifest.json"
+FileState = tuple[str, int, int, int, int]  # path, size, mtime, inode, ctime (ns)
 
 
 @dataclass(frozen=True)
@@ -59,24 +80,58 @@ class SourceSpec:
 @dataclass(frozen=True)
 class PreparedSource:
     spec: SourceSpec
-    key: str
+    key: str  # the cache entry's folder name
+    identity: str  # what the tokens are, the same for a copy of the files (what a resume checks)
     tokens: Any  # datasets.Dataset: input_ids (and labels for SFT), memory-mapped
     windows: Windows
     stats: dict[str, int]
     built: bool  # this process tokenized it (False: it found the cache)
 
 
-
-def _files_state(spec: SourceSpec) -> list[tuple[str, int, int]]:
-    files = resolve_files(spec.paths, spec.path_field)
-    return [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+class _Damaged(Exception):
+    """A cache entry that cannot be read (the message says why); handled in this module."""
 
 
-def cache_key(spec: SourceSpec, tokenizer, seq_len: int, packing: bool, overflow: str) -> str:
-    described = {"format": FORMAT, "tokenizer": tokenizer.fingerprint, "files": _files_state(spec),
-                 "text_field": spec.text_field, "messages_field": spec.messages_field, "max_bytes": spec.max_bytes,
-                 "seq_len": seq_len, "packing": packing, "overflow": overflow}
+@dataclass(frozen=True)
+class _Entry:
+    identity: str
+    tokens: Any
+    windows: Windows
+    stats: dict[str, int]
+
+
+def _digest(described: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _settings(spec: SourceSpec, tokenizer, seq_len: int, packing: bool, overflow: str) -> dict[str, Any]:
+    """What the result depends on besides the files."""
+    return {"format": FORMAT, "tokenizer": tokenizer.fingerprint, "text_field": spec.text_field,
+            "messages_field": spec.messages_field, "max_bytes": spec.max_bytes, "seq_len": seq_len,
+            "packing": packing, "overflow": overflow}
+
+
+def files_state(files: list[Path]) -> list[FileState]:
+    """Each file's (path, size, mtime, inode, ctime): any write changes the ctime, which
+    ``os.utime`` cannot set back; a replaced file has another inode."""
+    states = []
+    for path in files:
+        stat = path.stat()
+        states.append((str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns))
+    return states
+
+
+def content_digest(files: list[Path]) -> str:
+    """The files' contents in order, read in blocks: the same for any copy of them."""
+    digest = hashlib.sha256()
+    for path in files:
+        with path.open("rb") as handle:
+            digest.update(hashlib.file_digest(handle, "sha256").digest())
+    return digest.hexdigest()
+
+
+def cache_key(settings: dict[str, Any], state: list[FileState]) -> str:
+    return _digest({**settings, "files": state})
 
 
 def _limit_files(table, spec: SourceSpec):
@@ -144,8 +199,9 @@ def _statistics(tokens, lengths: np.ndarray, windows: Windows, seq_len: int, sft
             "dropped_tokens": windows.dropped_tokens}
 
 
-def _build(spec: SourceSpec, tokenizer, seq_len: int, packing: bool, overflow: str, cache: Path, out: Path) -> None:
-    table = _limit_files(load_table(spec.paths, spec.path_field, cache), spec)
+def _build(spec: SourceSpec, tokenizer, seq_len: int, packing: bool, overflow: str, datasets_cache: Path,
+           out: Path) -> None:
+    table = _limit_files(load_table(spec.paths, spec.path_field, datasets_cache), spec)
     tokens = _tokenize(table, spec, tokenizer, out)
     lengths = _lengths(tokens)
     if not lengths.sum():
@@ -153,41 +209,174 @@ def _build(spec: SourceSpec, tokenizer, seq_len: int, packing: bool, overflow: s
                           reason="it has no tokens")
     doc, start, length, dropped = cut_documents(lengths, seq_len, overflow, spec.field)
     windows = pack(doc, start, length, seq_len, packing, dropped)
-    np.savez(out / "windows.npz", doc=windows.doc, start=windows.start, length=windows.length,
+    np.savez(out / WINDOWS, doc=windows.doc, start=windows.start, length=windows.length,
              offsets=windows.offsets, dropped=np.int64(dropped))
     stats = _statistics(tokens, lengths, windows, seq_len, spec.sft)
-    (out / "stats.json").write_text(json.dumps(stats, indent=1), encoding="utf-8")
+    (out / STATS).write_text(json.dumps(stats, indent=1), encoding="utf-8")
 
 
-def _load(folder: Path) -> tuple[Any, Windows, dict[str, int]]:
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a folder's list of entries, to disk."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _seal(folder: Path, key: str, identity: str) -> None:
+    """Write the manifest (each file's size), then flush the files and the folder: the
+    rename that follows publishes only what is on disk."""
+    sizes = {name: (folder / name).stat().st_size for name in (TOKENS, WINDOWS, STATS)}
+    manifest = {"format": FORMAT, "key": key, "identity": identity, "files": sizes}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    for name in (*sizes, MANIFEST):
+        _fsync(folder / name)
+    _fsync(folder)
+
+
+def _read_manifest(folder: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _Damaged(f"no {MANIFEST}") from None
+    except (OSError, ValueError) as error:
+        raise _Damaged(f"{MANIFEST} is unreadable: {error}") from None
+    if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT
+            or not isinstance(manifest.get("identity"), str)
+            or not isinstance(manifest.get("files"), dict) or set(manifest["files"]) != {TOKENS, WINDOWS, STATS}):
+        raise _Damaged(f"{MANIFEST} is not a format-{FORMAT} manifest")
+    return manifest
+
+
+def _check_sizes(folder: Path, sizes: dict[str, int]) -> None:
+    for name, size in sizes.items():
+        path = folder / name
+        if not path.is_file():
+            raise _Damaged(f"{name} is missing")
+        if path.stat().st_size != size:
+            raise _Damaged(f"{name} has {path.stat().st_size} bytes, not {size}")
+
+
+def _open_entry(folder: Path) -> _Entry | None:
+    """The entry in ``folder`` (None: there is none); ``_Damaged`` if it cannot be read."""
+    if not folder.exists() and not folder.is_symlink():
+        return None
+    import pyarrow as pa
     from datasets import Dataset
 
-    arrays = np.load(folder / "windows.npz")
-    windows = Windows(arrays["doc"], arrays["start"], arrays["length"], arrays["offsets"], int(arrays["dropped"]))
-    stats = json.loads((folder / "stats.json").read_text(encoding="utf-8"))
-    return Dataset.from_file(str(folder / TOKENS)), windows, stats
+    manifest = _read_manifest(folder)
+    _check_sizes(folder, manifest["files"])
+    try:
+        with np.load(folder / WINDOWS) as arrays:
+            windows = Windows(arrays["doc"], arrays["start"], arrays["length"], arrays["offsets"],
+                              int(arrays["dropped"]))
+        stats = json.loads((folder / STATS).read_text(encoding="utf-8"))
+        tokens = Dataset.from_file(str(folder / TOKENS))
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, pa.ArrowException) as error:
+        raise _Damaged(f"{type(error).__name__}: {error}") from None
+    if not isinstance(stats, dict) or stats.get("windows") != len(windows) or (
+            len(windows.doc) and int(windows.doc.max()) >= len(tokens)):
+        raise _Damaged(f"{STATS}, {WINDOWS} and {TOKENS} do not describe the same data")
+    return _Entry(manifest["identity"], tokens, windows, stats)
+
+
+def _discard(folder: Path, damage: _Damaged) -> None:
+    _log.warning(f"data cache entry {folder} is damaged ({damage}): building it again", all_ranks=True)
+    try:
+        if folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder)
+        else:
+            folder.unlink()
+    except OSError as error:
+        raise ConfigError("data.cache_dir", str(folder), f"delete {folder} and run again",
+                          reason=f"that cache entry is damaged ({damage}) and could not be removed: {error}") from None
+
+
+def _sweep_partials(cache: Path, key: str) -> None:
+    """Remove the ``<key>.partial.*`` folders of builds that died (a kill, a lost node): the
+    caller holds the key's lock, and a live build holds it while its partial folder exists."""
+    for stale in sorted(cache.glob(f"{key}.partial.*")):
+        _log.info(f"removing {stale}, left by a build of this data that did not finish", all_ranks=True)
+        try:
+            shutil.rmtree(stale)
+        except OSError as error:
+            raise ConfigError("data.cache_dir", str(stale), f"delete {stale} and run again",
+                              reason=f"that folder is left by a build that did not finish and could not be "
+                                     f"removed: {error}") from None
+
+
+@contextmanager
+def _locked(path: Path, timeout_s: float) -> Iterator[None]:
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(path), timeout=timeout_s)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise ConfigError("data.cache_lock_timeout_s", timeout_s,
+                          "another process is preparing this data: wait for it, or raise data.cache_lock_timeout_s; "
+                          f"if none is running, delete {path}",
+                          reason=f"the lock {path} was still held after {timeout_s:g} s") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _check_unchanged(spec: SourceSpec, files: list[Path], before: list[FileState]) -> None:
+    if files_state(files) != before:
+        raise ConfigError(spec.path_field, spec.path, "run again once its files no longer change",
+                          reason="its files changed while they were being tokenized")
+
+
+def _build_entry(spec: SourceSpec, tokenizer, files: list[Path], state: list[FileState], settings: dict[str, Any],
+                 cache: Path) -> None:
+    """Build ``cache/<key>`` from ``files`` (in ``state``, the key's) in a partial folder, seal
+    it and rename it; the partial folder never outlives a failure."""
+    key = cache_key(settings, state)
+    # datasets finds its own Arrow copy of the files by their names and mtimes alone: one
+    # folder per state of the files keeps a rewritten file from being read from a stale copy.
+    datasets_cache = cache / "datasets" / _digest({"files": state})
+    partial = cache / f"{key}.partial.{os.getpid()}"
+    partial.mkdir()
+    try:
+        identity = _digest({**settings, "content": content_digest(files)})
+        _build(spec, tokenizer, settings["seq_len"], settings["packing"], settings["overflow"], datasets_cache,
+               partial)
+        _check_unchanged(spec, files, state)
+        _seal(partial, key, identity)
+        os.replace(partial, cache / key)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # the error itself goes on up
+        raise
+    _fsync(cache)
 
 
 def prepare_source(spec: SourceSpec, tokenizer, *, seq_len: int, packing: bool, overflow: str,
-                   cache_dir: str | Path) -> PreparedSource:
-    from filelock import FileLock
-
+                   cache_dir: str | Path, lock_timeout_s: float = 3600.0) -> PreparedSource:
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
-    key = cache_key(spec, tokenizer, seq_len, packing, overflow)
+    files = resolve_files(spec.paths, spec.path_field)
+    settings = _settings(spec, tokenizer, seq_len, packing, overflow)
+    state = files_state(files)
+    key = cache_key(settings, state)
     final = cache / key
     built = False
-    with FileLock(str(cache / f"{key}.lock")):
-        if not (final / "stats.json").is_file():
+    with _locked(cache / f"{key}.lock", lock_timeout_s):
+        _sweep_partials(cache, key)
+        try:
+            entry = _open_entry(final)
+        except _Damaged as damage:
+            _discard(final, damage)
+            entry = None
+        if entry is None:
             built = True
-            partial = cache / f"{key}.partial.{os.getpid()}"
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir()
+            _build_entry(spec, tokenizer, files, state, settings, cache)
             try:
-                _build(spec, tokenizer, seq_len, packing, overflow, cache, partial)
-            except BaseException:
-                shutil.rmtree(partial, ignore_errors=True)  # the error itself goes on up
-                raise
-            os.replace(partial, final)
-    tokens, windows, stats = _load(final)
-    return PreparedSource(spec, key, tokens, windows, stats, built)
+                entry = _open_entry(final)
+            except _Damaged as damage:
+                raise ConfigError("data.cache_dir", str(final), f"delete {final}, check the disk it is on, and run "
+                                  "again", reason=f"that cache entry is unreadable right after it was built: "
+                                  f"{damage}") from None
+    return PreparedSource(spec, key, entry.identity, entry.tokens, entry.windows, entry.stats, built)

@@ -82,8 +82,10 @@ def _corrupt_line(files: list[Path]) -> tuple[Path, int, str] | None:
     return None
 
 
-def load_table(patterns: tuple[str, ...], field: str, cache_dir: Path):
-    """The source's rows as a ``datasets.Dataset`` (memory-mapped Arrow)."""
+def load_table(patterns: tuple[str, ...], field: str, datasets_cache: Path):
+    """The source's rows as a ``datasets.Dataset`` (memory-mapped Arrow). ``datasets`` keeps its
+    own Arrow copy of the files in ``datasets_cache``, found again by their names and mtimes
+    only: the caller gives a folder per state of the files (see ``prepare``)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -99,7 +101,7 @@ def load_table(patterns: tuple[str, ...], field: str, cache_dir: Path):
     options = {"sample_by": "document"} if builder == "text" else {}
     try:
         return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
-                                     cache_dir=str(cache_dir / "datasets"), **options)
+                                     cache_dir=str(datasets_cache), **options)
     except datasets.exceptions.DatasetGenerationError as error:
         bad = _corrupt_line(files) if files[0].suffix.lower() == ".jsonl" else None
         if bad is None:
