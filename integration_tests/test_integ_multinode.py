@@ -262,3 +262,39 @@ def test_a_stopped_worker_becomes_a_restart_not_a_hang(job_file, reference, tmp_
     assert "resumed from" in logs
     assert untimed(metrics(tmp_path / "out")) == untimed(metrics(reference))
     assert_same_weights(weights(tmp_path / "out"), weights(reference))
+
+
+def test_one_ranks_error_ends_every_node_with_its_message(job_file, tmp_path):
+    """Rank 3 (node 1) raises after step 3, outside any all-ranks agreement, as one rank out
+    of memory would; the collective timeout is 300 s. Every worker on both nodes stops within
+    60 s, and node 0's log names rank 3's error (posted to the job's store by rank 3, read
+    by every worker's fail-fast watcher)."""
+    job = yaml.safe_load(job_file.read_text())
+    job["run"]["collective_timeout_s"] = 300
+    failing_job = tmp_path / "job.yaml"
+    failing_job.write_text(yaml.safe_dump(job))
+    output = tmp_path / "out"
+    nodes = launch(failing_job, output, 2, None, env={"FSDP_TURBO_FAULTS": "raise@3:3"})
+    try:
+        deadline = time.monotonic() + 240
+        while '"step": 3' not in _text(output / "metrics.jsonl") and all(n.process.poll() is None for n in nodes):
+            assert time.monotonic() < deadline, nodes[0].text()[-4000:]
+            time.sleep(0.1)
+        failed_at = time.monotonic()  # step 3 is logged, and rank 3 raises right after it
+        codes = [node.wait(timeout=120) for node in nodes]
+        seconds = time.monotonic() - failed_at
+    finally:
+        for node in nodes:
+            if node.process.poll() is None:
+                node.kill()
+            _kill_leftovers(node.log.parent)
+    assert all(code != 0 for code in codes), codes
+    node0 = nodes[0].text()
+    assert "rank 3 failed: InjectedFault: fault injection: rank 3 fails after step 3" in node0, node0[-4000:]
+    assert [r["step"] for r in metrics(output)] == [1, 2, 3]
+    print(f"one rank's error: every node ended {seconds:.1f} s after step 3 (collective timeout 300 s)")
+    assert seconds < 60
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""

@@ -5,6 +5,8 @@
 =================  ====================================================================
 ``kill@STEP:RANK``   SIGKILL that rank after step STEP (a crash)
 ``stop@STEP:RANK``   SIGSTOP that rank after step STEP (a peer that stops responding)
+``raise@STEP:RANK``  that rank raises ``InjectedFault`` after step STEP, outside any
+                     all-ranks agreement (as one rank's out-of-memory error would)
 ``nan@STEP``         that step's loss is NaN on every rank (the non-finite guards)
 ``crash_save@STEP``  every rank exits once its shards of step STEP are written, before
                      the checkpoint is renamed into place (an interrupted save)
@@ -27,9 +29,15 @@ from dataclasses import dataclass
 from fsdp_turbo.core.errors import ConfigError
 
 VARIABLE = "FSDP_TURBO_FAULTS"
-FORMAT = "comma-separated kill@STEP:RANK, stop@STEP:RANK, nan@STEP or crash_save@STEP (RANK: a number or *)"
-_ENTRY = re.compile(r"^(?P<kind>kill|stop|nan|crash_save)@(?P<step>\d+)(?::(?P<rank>\d+|\*))?$")
+FORMAT = ("comma-separated kill@STEP:RANK, stop@STEP:RANK, raise@STEP:RANK, nan@STEP or crash_save@STEP "
+          "(RANK: a number or *)")
+_ENTRY = re.compile(r"^(?P<kind>kill|stop|raise|nan|crash_save)@(?P<step>\d+)(?::(?P<rank>\d+|\*))?$")
 _SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+_PER_RANK = {*_SIGNALS, "raise"}  # the faults that name a rank
+
+
+class InjectedFault(RuntimeError):
+    """The error ``raise@STEP:RANK`` raises."""
 
 
 @dataclass(frozen=True)
@@ -56,17 +64,19 @@ class Faults:
         return self._due("crash_save", step, 0)
 
     def after_step(self, step: int, rank: int) -> None:
-        """Kill or stop this process, where a fault says so."""
+        """Kill, stop or fail this process, where a fault says so."""
         for kind, sent in _SIGNALS.items():
             if self._due(kind, step, rank):
                 os.kill(os.getpid(), sent)
+        if self._due("raise", step, rank):
+            raise InjectedFault(f"fault injection: rank {rank} fails after step {step} ({VARIABLE})")
 
 
 def parse(value: str) -> Faults:
     faults = []
     for entry in value.replace(" ", "").split(","):
         match = _ENTRY.match(entry)
-        if match is None or (match["kind"] in _SIGNALS) != (match["rank"] is not None):
+        if match is None or (match["kind"] in _PER_RANK) != (match["rank"] is not None):
             raise ConfigError(VARIABLE, value, f"unset it, or give {FORMAT}",
                               reason=f"cannot read {entry!r}")
         faults.append(Fault(match["kind"], int(match["step"]), match["rank"]))

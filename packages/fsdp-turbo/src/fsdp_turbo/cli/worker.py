@@ -40,6 +40,7 @@ from fsdp_turbo.core.device import (
     init_process_group,
     peak_memory_bytes,
 )
+from fsdp_turbo.core.failfast import FailFast
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.parallel_state import ParallelState
 
@@ -258,12 +259,28 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     accumulation = run.accumulation(job.turbo.validate(world).dp_replicate_x_fsdp)
     faults = fault_injection.arm()
+    watch = None
     if world > 1 and not dist.is_initialized():
         init_process_group(detect_device_type(job.turbo.device_type), run.collective_timeout_s)
         # What torchrun's agent on this node gave this worker (the device index and the
         # node layout come from these); a multi-node log shows every rank's place.
         _log.info(f"rank {dist.get_rank()}: local rank {os.environ.get('LOCAL_RANK')} of "
                   f"{os.environ.get('LOCAL_WORLD_SIZE')} on node {os.environ.get('GROUP_RANK')}", all_ranks=True)
+        watch = FailFast.from_environment()  # a group this worker made: its errors end every rank at once
+    try:
+        result = _run(job, resume, stop_at_step, accumulation, faults)
+    except BaseException as error:
+        if watch is not None:
+            watch.post(error)
+        raise
+    if watch is not None:
+        watch.close()
+        dist.barrier()  # no rank's watcher is still looking when rank 0 exits with the store
+    return result
+
+
+def _run(job: JobConfig, resume: str, stop_at_step: int | None, accumulation: int, faults) -> dict:
+    run = job.run
     session = _setup(job, resume, accumulation, faults)
     bar = progress_bar(run.steps, session.start, session.rank0)
     last = min(run.steps, stop_at_step) if stop_at_step is not None else run.steps

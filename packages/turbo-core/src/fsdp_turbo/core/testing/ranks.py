@@ -80,6 +80,7 @@ def _join_group(rank: int, world_size: int, port: int, backend: str) -> None:
     """
     import torch.distributed as dist
 
+    os.environ["MASTER_PORT"] = str(port)  # as torchrun sets it: where the job's store is
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     dist.barrier()
