@@ -2,7 +2,9 @@
 collective the failed rank never joins, while its process lives on (as an NCCL rank's
 would: NCCL notices nothing until the collective timeout; gloo's 30-minute default here)."""
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,13 +15,27 @@ pytestmark = pytest.mark.multirank
 WORLD = 3
 
 
+def _ended(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # exited (a zombie until the harness reaps it)
+
+
 def _rank_1_fails_and_lingers():
     import torch.distributed as dist
 
+    pids = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
     watch = FailFast.from_environment()
     if dist.get_rank() == 1:
         watch.post(MemoryError("out of memory in the forward of rank 1"))
-        time.sleep(8)  # alive, its connections open: the peers' barrier does not fail by itself
+        # Alive, its connections open, so the peers' barrier cannot fail by itself: only
+        # their watchers can end them. Linger until they have (at most a minute).
+        deadline = time.monotonic() + 60
+        while not all(_ended(pid) for rank, pid in enumerate(pids) if rank != 1) and time.monotonic() < deadline:
+            time.sleep(0.2)
         return "rank 1 lingered"
     dist.barrier()  # never completes: rank 1 does not come
     return "unreachable"
