@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from fsdp_turbo.core.device import end_process
 from fsdp_turbo.fsdp_turbo import FSDPTurbo
 from fsdp_turbo.fsdp_turbo_config import FSDPPlanConfig, FSDPTurboConfig
 
@@ -84,8 +85,9 @@ def main() -> None:
         tokens_total = args.steps * state.dp_size * args.micro_batch * args.seq_len
         print(f"done: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {elapsed:.1f}s "
               f"({tokens_total / elapsed:,.0f} tokens/s)", flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # Destroys the process group, then exits without the interpreter's teardown, where
+    # gloo's threads can abort a finished worker (see end_process).
+    end_process(0)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def _free_port() -> int:
 class Node:
     """One node's agent (and, through torchrun, its workers)."""
 
-    def __init__(self, job_file, output, node_rank, nnodes, port, *extra, env=None, rdzv_conf=""):
+    def __init__(self, job_file, output, node_rank, nnodes, port, *extra, env=None, rdzv_conf="", cwd=None):
         self.log = Path(output) / f"node{node_rank}-{time.monotonic_ns()}.log"
         self.log.parent.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "fsdp_turbo.cli.main", "train", str(job_file), "--nnodes", str(nnodes),
@@ -61,7 +61,7 @@ class Node:
                    *map(str, extra)]
         with self.log.open("w") as sink:
             self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=cwd)
 
     def wait(self, timeout=400) -> int:
         try:
@@ -298,3 +298,40 @@ def test_one_ranks_error_ends_every_node_with_its_message(job_file, tmp_path):
 
 def _text(path: Path) -> str:
     return path.read_text() if path.is_file() else ""
+
+
+def test_a_data_file_missing_on_one_nodes_disk_ends_every_node(job_file, tmp_path):
+    """The job names its data by a relative path, and each node runs in its own folder (its
+    own disk): node 1's has no such file. Node 1's command cannot prepare the data, launches
+    anyway (else node 0's agent would wait for it at the rendezvous for minutes), and its
+    workers meet the error inside the all-ranks agreement: every worker of both nodes stops,
+    node 0's with rank 2's message."""
+    import json
+
+    job = yaml.safe_load(job_file.read_text())
+    job["data"] = {"sources": [{"path": "corpus/train.jsonl", "text_field": "text"}], "seq_len": 32}
+    relative_job = tmp_path / "job.yaml"
+    relative_job.write_text(yaml.safe_dump(job))
+    disks = [tmp_path / "node0-disk", tmp_path / "node1-disk"]
+    for disk in disks:
+        disk.mkdir()
+    (disks[0] / "corpus").mkdir()
+    rows = [json.dumps({"text": f"document {i}: " + "a few words of text. " * (i % 7 + 1)}) for i in range(200)]
+    (disks[0] / "corpus" / "train.jsonl").write_text("\n".join(rows) + "\n")
+    output, port = tmp_path / "out", _free_port()
+    began = time.monotonic()
+    nodes = [Node(relative_job, output, rank, 2, port, cwd=disks[rank]) for rank in range(2)]
+    try:
+        codes = [node.wait(timeout=300) for node in nodes]
+        seconds = time.monotonic() - began
+    finally:
+        for node in nodes:
+            if node.process.poll() is None:
+                node.kill()
+            _kill_leftovers(node.log.parent)
+    assert all(code != 0 for code in codes), codes
+    assert "this node cannot prepare the data" in nodes[1].text()
+    node0 = nodes[0].text()
+    assert "load the data: rank 2 failed" in node0 and "no file matches" in node0, node0[-4000:]
+    assert not (output / "metrics.jsonl").exists() or not metrics(output)  # no step ran
+    print(f"a file missing on one node: both nodes ended {seconds:.1f} s after launch")

@@ -12,6 +12,7 @@ import json
 import torch
 import torch.distributed as dist
 
+from fsdp_turbo.core.device import end_process
 from fsdp_turbo.core.testing import make_token_batches, shard_rows, train_steps
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 from fsdp_turbo.fsdp_turbo import FSDPTurbo
@@ -33,7 +34,7 @@ def main() -> None:
     record = train_steps(model, batches)
     if state.rank == 0:
         torch.save({"losses": record.losses, "grads": record.grads, "world": dist.get_world_size()}, args.out)
-    dist.destroy_process_group()
+    end_process(0)  # destroy the group and skip the interpreter's teardown (see its docstring)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,22 @@ def _prepare_data(job, output_dir: str | None):
     return load_data(job.data, output_dir or job.output_dir, job.run.seed, vocab_size=vocab_size)
 
 
+def _prepare_data_here(job, args: argparse.Namespace) -> None:
+    """``_prepare_data``; a data error on one node of several is left to its workers.
+
+    On one node the error ends the command before launch. With several nodes, the other
+    nodes' agents would wait for this one at the rendezvous until its timeout (minutes).
+    So this node launches anyway: its workers meet the same error inside an all-ranks
+    agreement, and every rank of every node stops at once with its message."""
+    try:
+        _prepare_data(job, args.output_dir)
+    except ConfigError as error:
+        if args.nnodes in (None, "1"):
+            raise
+        print(f"fsdp-turbo: this node cannot prepare the data; its workers will stop every node with: {error}",
+              file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from fsdp_turbo.cli.job_config import JobConfig
@@ -108,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         world = _static_world(args)
         if world is not None:  # elastic ranges ("1:4") are checked by the workers
             job.run.accumulation(job.turbo.validate(world).dp_replicate_x_fsdp)
-        _prepare_data(job, args.output_dir)
+        _prepare_data_here(job, args)
     except ConfigError as error:
         print(f"fsdp-turbo: {error}", file=sys.stderr)
         return 2

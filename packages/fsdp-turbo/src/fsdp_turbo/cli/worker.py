@@ -37,6 +37,7 @@ from fsdp_turbo.core.device import (
     current_device,
     detect_device_type,
     device_name,
+    end_process,
     init_process_group,
     peak_memory_bytes,
 )
@@ -319,8 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     # DTensor's note that a 2-D (efsdp x ep) gradient norm takes two all-reduces, every step.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     train(job, args.resume, args.stop_at_step)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    end_process(0)
 
 
 if __name__ == "__main__":

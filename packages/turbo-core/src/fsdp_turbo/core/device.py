@@ -11,7 +11,7 @@ import datetime
 import importlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -91,6 +91,29 @@ def set_rng_state(states: dict[str, torch.Tensor], device_type: str) -> None:
     torch.set_rng_state(states["cpu_rng"])
     if device_type != "cpu" and "device_rng" in states:
         torch.get_device_module(device_type).set_rng_state(states["device_rng"])
+
+
+def end_process(code: int = 0) -> NoReturn:
+    """End a distributed worker: destroy the process group, flush, and exit without the
+    interpreter's teardown.
+
+    ``destroy_process_group`` only drops torch's own references to the group; FSDP states
+    and device meshes keep it alive until the interpreter finalizes them, and gloo's worker
+    threads then end the process with SIGABRT ("terminate called without an active
+    exception"; pytorch/pytorch#179291 describes the mechanism). It happened here to a
+    torchrun worker that had finished its work, in about one CI run in three. Processes
+    started by ``multiprocessing`` (the test harness) never finalize, so never saw it."""
+    import logging
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def has_streams(device_type: str) -> bool:
