@@ -104,10 +104,15 @@ def finish(nodes: list[Node]) -> None:
             code = node.wait()
             assert code == 0, node.text()[-5000:]
     finally:
-        for node in nodes:
-            if node.process.poll() is None:
-                node.kill()
-            _kill_leftovers(node.log.parent)
+        stop_all(nodes)
+
+
+def stop_all(nodes: list[Node]) -> None:
+    """Kill whatever of ``nodes`` still runs, and any leftover worker of their outputs."""
+    for node in nodes:
+        if node.process.poll() is None:
+            node.kill()
+        _kill_leftovers(node.log.parent)
 
 
 def _processes() -> dict[int, tuple[int, str]]:
@@ -284,10 +289,7 @@ def test_one_ranks_error_ends_every_node_with_its_message(job_file, tmp_path):
         codes = [node.wait(timeout=120) for node in nodes]
         seconds = time.monotonic() - failed_at
     finally:
-        for node in nodes:
-            if node.process.poll() is None:
-                node.kill()
-            _kill_leftovers(node.log.parent)
+        stop_all(nodes)
     assert all(code != 0 for code in codes), codes
     node0 = nodes[0].text()
     assert "rank 3 failed: InjectedFault: fault injection: rank 3 fails after step 3" in node0, node0[-4000:]
@@ -325,10 +327,7 @@ def test_a_data_file_missing_on_one_nodes_disk_ends_every_node(job_file, tmp_pat
         codes = [node.wait(timeout=300) for node in nodes]
         seconds = time.monotonic() - began
     finally:
-        for node in nodes:
-            if node.process.poll() is None:
-                node.kill()
-            _kill_leftovers(node.log.parent)
+        stop_all(nodes)
     assert all(code != 0 for code in codes), codes
     assert "this node cannot prepare the data" in nodes[1].text()
     node0 = nodes[0].text()

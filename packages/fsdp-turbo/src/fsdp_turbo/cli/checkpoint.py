@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fsdp_turbo.checkpoint import safe_dcp
+from fsdp_turbo.checkpoint.atomic import fsync_tree, move_into_place
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.device import get_rng_state, set_rng_state
 from fsdp_turbo.core.errors import CheckpointError
@@ -60,20 +61,6 @@ class Saved:
 
 def new_run_id() -> str:
     return f"run-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
-
-
-def fsync_tree(folder: Path, *, files: bool = True) -> None:
-    """Flush ``folder``'s files (all of them, whoever wrote them) and the folder's own entry list."""
-    if files:
-        for path in folder.rglob("*"):
-            if path.is_file():
-                with path.open("rb") as handle:
-                    os.fsync(handle.fileno())
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
@@ -146,17 +133,6 @@ def resolve_resume(resume: str, output_dir: str | Path, fresh_run: str) -> Resum
     return Resume(chosen.path, chosen.run, f"run {chosen.run}: resumed {note}")
 
 
-def _move_into_place(partial: Path, final: Path) -> None:
-    # Never delete the old one first: move it aside, move the new one in, then drop the old.
-    aside = final.with_name(f"{final.name}.old")
-    if final.exists():
-        shutil.rmtree(aside, ignore_errors=True)
-        final.rename(aside)
-    os.replace(partial, final)
-    fsync_tree(final.parent, files=False)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
 def _retire(output_dir: Path, run: str, keep: int) -> None:
     """Delete this run's checkpoints beyond the newest ``keep``; never another run's."""
     own = sorted((s for s in complete_checkpoints(output_dir) if s.run == run), key=lambda s: s.step)
@@ -188,7 +164,7 @@ def save_checkpoint(output_dir: str | Path, run: str, step: int, model: torch.nn
             meta = {"run": run, "step": step, "saved_at": time.time(), **extra}
             (partial / META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
             fsync_tree(partial)  # every rank's files and the folder itself are on disk before the rename
-            _move_into_place(partial, final)
+            move_into_place(partial, final)
             _retire(Path(output_dir), run, keep)
     return final
 

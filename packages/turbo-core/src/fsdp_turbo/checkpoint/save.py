@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_turbo.checkpoint.atomic import move_into_place
 from fsdp_turbo.checkpoint.layout import checkpoint_layout
 from fsdp_turbo.checkpoint.materialize import target_device
 from fsdp_turbo.checkpoint.shards import local_tensors
@@ -117,7 +118,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, dtype: torch.d
                 total = sum(t.numel() for t in meta.values())
                 index = {"metadata": {"total_parameters": total, **split.metadata}, "weight_map": weight_map}
                 (partial / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-            _move_into_place(partial, target)
+            move_into_place(partial, target)
     return target
 
 
@@ -139,13 +140,3 @@ def _write_files(blueprint, split, holders, local, meta, dtype, partial: Path, d
             if rank == writer:
                 save_file(dict(sorted(tensors.items())), str(partial / filename), metadata={"format": "pt"})
         del tensors
-
-
-def _move_into_place(partial: Path, target: Path) -> None:
-    # Never delete the old one first: move it aside, move the new one in, then drop the old.
-    old = Path(f"{target}.old")
-    if target.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        target.rename(old)
-    partial.rename(target)
-    shutil.rmtree(old, ignore_errors=True)

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from fsdp_turbo.checkpoint.atomic import fsync_path
 from fsdp_turbo.cli.data.chat import check_messages, render_conversation
 from fsdp_turbo.cli.data.packing import Windows, cut_documents, pack
 from fsdp_turbo.cli.data.sources import check_columns, load_table, resolve_files
@@ -215,15 +216,6 @@ def _build(spec: SourceSpec, tokenizer, seq_len: int, packing: bool, overflow: s
     (out / STATS).write_text(json.dumps(stats, indent=1), encoding="utf-8")
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file's data, or a folder's list of entries, to disk."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def _seal(folder: Path, key: str, identity: str) -> None:
     """Write the manifest (each file's size), then flush the files and the folder: the
     rename that follows publishes only what is on disk."""
@@ -231,8 +223,8 @@ def _seal(folder: Path, key: str, identity: str) -> None:
     manifest = {"format": FORMAT, "key": key, "identity": identity, "files": sizes}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     for name in (*sizes, MANIFEST):
-        _fsync(folder / name)
-    _fsync(folder)
+        fsync_path(folder / name)
+    fsync_path(folder)
 
 
 def _read_manifest(folder: Path) -> dict[str, Any]:
@@ -350,7 +342,7 @@ def _build_entry(spec: SourceSpec, tokenizer, files: list[Path], state: list[Fil
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)  # the error itself goes on up
         raise
-    _fsync(cache)
+    fsync_path(cache)
 
 
 def prepare_source(spec: SourceSpec, tokenizer, *, seq_len: int, packing: bool, overflow: str,
