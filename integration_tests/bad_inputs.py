@@ -190,8 +190,8 @@ CASES: dict[str, Case] = {
     "efsdp does not divide the world": _moe({"expert_parallel_size": 2, "ep_plan": {},
                                              "expert_fully_shard_parallel_size": 3}),
     "cp attention function does not import": Case("config", lambda _i: _facade(
-        {"context_parallel_size": 2, "cp_plan": {"attention_function": "no_such.attention"}}), "does not import"),
-    "cp attention function not a path": _config({"cp_plan": {"attention_function": "sdpa"}}),
+        {"context_parallel_size": 2, "model_facts": {"attention_function": "no_such.attention"}}), "does not import"),
+    "cp attention function not a path": _config({"model_facts": {"attention_function": "sdpa"}}),
     "recompute plan matches nothing": Case("config", lambda _i: _facade(
         {"recompute": True, "recompute_plan": ["*.nothing"]}), "recompute_plan"),
     "recompute policy names no op": Case("config", lambda _i: _facade(
@@ -201,7 +201,7 @@ CASES: dict[str, Case] = {
     "swap plan matches nothing": Case("config", lambda _i: _facade(
         {"swap_activation": True, "swap_activation_plan": ["*.nothing"]}), "swap_activation_plan"),
     "chunk loss head missing": Case("config", lambda _i: _facade(
-        {"chunk_loss": True, "chunk_loss_plan": {"head_module": "no_head"}}), "chunk_loss_plan.head_module"),
+        {"chunk_loss": True, "model_facts": {"head_module": "no_head"}}), "model_facts.head_module"),
     "quantization converter unknown": _config({"quantization_plan": {"converters": ["fp4_magic"]}}),
     "quantization of the output head": Case("config", lambda _i: _facade(
         {"quantization_plan": {"apply_modules": ["lm_head"]}}), "output head"),

@@ -37,8 +37,8 @@ LAYOUTS = {
         "expert_parallel_size": 2, "ep_plan": {}, "quantization_plan": {"quant_format": "E4M3", "block_size": 32},
         "recompute": True, "recompute_plan": ["model.layers.0"], "recompute_policy": "selective",
         "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12},
-        "swap_activation": True, "swap_activation_plan": ["model.layers.{1-2}"], "swap_activation_force": True,
-        "swap_optimizer": True, "swap_optimizer_force": True, "compile": True, "compile_backend": "aot_eager"},
+        "swap_activation": True, "swap_activation_plan": ["model.layers.{1-2}"], "swap_force": True,
+        "swap_optimizer": True, "compile": True, "compile_backend": "aot_eager"},
 }
 BATCHES = make_token_batches(vocab_size=256, global_batch=8, seq_len=16, steps=3)
 

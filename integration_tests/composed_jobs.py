@@ -240,7 +240,7 @@ def resident_activations(swap: bool, layers: int = 3) -> dict:
 
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
-    config = {**FSDP_TP, "recompute": True, "swap_activation": swap, "swap_activation_force": swap}
+    config = {**FSDP_TP, "recompute": True, "swap_activation": swap, "swap_force": swap}
     model = FSDPTurbo(config, tiny_hf_causal_lm("llama", num_hidden_layers=layers))
     state = model.parallel_state
     batch = shard_rows(BATCHES[0], state.dp_rank, state.dp_size)

@@ -17,7 +17,7 @@ from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 # Every function that turns the config and the model into decisions: the pattern matcher,
 # the model facts, and each feature's resolvers. ``apply`` must call none of them.
 RESOLVERS = frozenset({
-    "match_modules", "repeated_blocks", "select_blocks", "output_head", "attention_heads", "fused_experts_form",
+    "match_modules", "resolve_model_facts", "recognise_experts", "fused_experts_form",
     "resolve_tp_plan", "resolve_ep_plan", "expert_adapter", "resolve_cp_target", "select_units",
     "plan_fully_shard", "plan_chunked_loss", "resolve_head", "is_hf_causal_lm", "plan_conversion",
     "tensor_parallel_unsuitable", "save_ops_for", "resolve_save_ops", "context_fn_for", "check_backend",

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.multirank
 
 MX_PLAN = {"quant_format": "E4M3", "block_size": 32, "ignored_modules": ["*.k_proj", "*.v_proj"]}
 MEMORY = {**FSDP_TP, "recompute": True, "recompute_plan": ["model.layers.0"], "recompute_policy": "selective",
-          "swap_activation": True, "swap_activation_plan": ["model.layers.{1-2}"], "swap_activation_force": True,
+          "swap_activation": True, "swap_activation_plan": ["model.layers.{1-2}"], "swap_force": True,
           "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12}}
 
 

@@ -26,8 +26,8 @@ MOE_TP = {"tensor_parallel_size": 2,
 # leave when the next swapped layer starts, so the last one stays resident).
 MEMORY = {"recompute": True, "recompute_plan": ["model.layers.0"], "recompute_policy": "selective",
           "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12},
-          "swap_activation": True, "swap_activation_plan": ["model.layers.{1-2}"], "swap_activation_force": True,
-          "swap_optimizer": True, "swap_optimizer_force": True}
+          "swap_activation": True, "swap_activation_plan": ["model.layers.{1-2}"], "swap_force": True,
+          "swap_optimizer": True}
 THREE_LAYERS = {"num_hidden_layers": 3}
 LAYOUTS = {
     # 8 ranks: 2 replicas x 2 shards x TP 2, with sequence parallel and the loss-parallel head.

@@ -26,13 +26,13 @@ FACADE = {
     "recompute_mixed_precision": {"recompute": True, "recompute_policy": "selective",
                                   "fsdp_plan": {"param_dtype": "float32", "reduce_dtype": "float32"}},
     "chunk_loss": {"chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12}},
-    "swap_activation": {"swap_activation": True, "swap_activation_force": True},
-    "swap_optimizer": {"swap_optimizer": True, "swap_optimizer_force": True},
+    "swap_activation": {"swap_activation": True, "swap_force": True},
+    "swap_optimizer": {"swap_optimizer": True, "swap_force": True},
     # Recompute inside each layer (its MLP), swap the layers themselves: with two layers the
     # first one's activations leave when the second starts (the last stays resident).
     "all": {"recompute": True, "recompute_plan": ["model.layers.*.mlp"], "chunk_loss": True,
-            "swap_activation": True, "swap_activation_plan": ["model.layers.*"], "swap_activation_force": True,
-            "swap_optimizer": True, "swap_optimizer_force": True},
+            "swap_activation": True, "swap_activation_plan": ["model.layers.*"], "swap_force": True,
+            "swap_optimizer": True},
 }
 EXACT = {"recompute", "recompute_full", "recompute_mixed_precision", "swap_activation", "swap_optimizer"}
 

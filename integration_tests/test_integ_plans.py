@@ -25,8 +25,8 @@ LAYOUTS = {
         "quantization_plan": {"quant_format": "E4M3", "block_size": 32},
         "recompute": True, "recompute_plan": ["model.layers.0"], "recompute_policy": "selective",
         "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12},
-        "swap_activation": True, "swap_activation_plan": ["model.layers.{1-2}"], "swap_activation_force": True,
-        "swap_optimizer": True, "swap_optimizer_force": True,
+        "swap_activation": True, "swap_activation_plan": ["model.layers.{1-2}"], "swap_force": True,
+        "swap_optimizer": True,
         "compile": True, "compile_backend": "aot_eager"}),
     "fsdp2 x cp2 + recompute": ("llama", {}, {
         "fully_shard_parallel_size": 2, "context_parallel_size": 2, "recompute": True, "chunk_loss": True}),

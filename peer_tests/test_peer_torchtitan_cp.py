@@ -5,28 +5,28 @@ cross-entropy: float32, 4 AdamW steps, losses rtol 1e-5, first-step gradients rt
 atol 1e-6. One 4-rank launch trains every layout in turn, each asserted on its own."""
 
 import pytest
-from titan_jobs import TITAN_BLOCKS, TITAN_SP, VOCAB, each_layout, reference_run
-from titan_loss_jobs import TITAN_CP, turbo_lm_loss_run
+from titan_jobs import TITAN_BLOCKS, TITAN_FACTS, TITAN_SP, VOCAB, each_layout, reference_run
+from titan_loss_jobs import turbo_lm_loss_run
 
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 
 pytest.importorskip("torchtitan")
 pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("torchtitan_cp")]
 
-FSDP = {"fsdp_plan": {"apply_modules": TITAN_BLOCKS}}
+FSDP = {"model_facts": TITAN_FACTS, "fsdp_plan": {"apply_modules": TITAN_BLOCKS}}
 LAYOUTS = {
-    "ulysses cp2 x fsdp2": {**FSDP, "fully_shard_parallel_size": 2, "context_parallel_size": 2, "cp_plan": TITAN_CP},
+    "ulysses cp2 x fsdp2": {**FSDP, "fully_shard_parallel_size": 2, "context_parallel_size": 2, "cp_plan": {}},
     "ring cp2 x fsdp2": {**FSDP, "fully_shard_parallel_size": 2, "context_parallel_size": 2,
-                         "cp_plan": {**TITAN_CP, "mode": "ring"}},
-    "hybrid 2x2": {**FSDP, "context_parallel_size": 4, "cp_plan": {**TITAN_CP, "mode": "hybrid", "ulysses_size": 2}},
+                         "cp_plan": {"mode": "ring"}},
+    "hybrid 2x2": {**FSDP, "context_parallel_size": 4, "cp_plan": {"mode": "hybrid", "ulysses_size": 2}},
     "cp2 x tp2, sequence and loss parallel": {
-        **FSDP, "context_parallel_size": 2, "tensor_parallel_size": 2, "cp_plan": TITAN_CP,
+        **FSDP, "context_parallel_size": 2, "tensor_parallel_size": 2, "cp_plan": {},
         "tp_plan": {**TITAN_SP, "colwise_parallel": [*TITAN_SP["colwise_parallel"], "output"], "loss_parallel": True}},
     "fsdp4, chunked loss": {**FSDP, "fully_shard_parallel_size": 4, "chunk_loss": True,
-                            "chunk_loss_plan": {"head_module": "output", "chunk_size": 24}},
+                            "chunk_loss_plan": {"chunk_size": 24}},
     "ring cp2 x fsdp2, chunked loss": {**FSDP, "fully_shard_parallel_size": 2, "context_parallel_size": 2,
-                                       "cp_plan": {**TITAN_CP, "mode": "ring"}, "chunk_loss": True,
-                                       "chunk_loss_plan": {"head_module": "output", "chunk_size": 24}},
+                                       "cp_plan": {"mode": "ring"}, "chunk_loss": True,
+                                       "chunk_loss_plan": {"chunk_size": 24}},
 }
 @pytest.fixture(scope="module")
 def reference():

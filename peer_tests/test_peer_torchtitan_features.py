@@ -14,7 +14,7 @@ Tolerances, unless a test states otherwise: loss rtol 1e-5, gradients rtol 1e-4 
 import pytest
 import torch
 from titan_feature_jobs import MX_PLAN, TITAN_LINEARS, layouts_run, references
-from titan_jobs import TITAN_BLOCKS, TITAN_SP, titan_llama
+from titan_jobs import TITAN_BLOCKS, TITAN_FACTS, TITAN_SP, titan_llama
 
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 from fsdp_turbo.core.testing.parity import sqnr_db
@@ -23,9 +23,9 @@ pytest.importorskip("torchtitan")
 # Module-scoped launches: xdist keeps the module on one worker, so each runs once.
 pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("torchtitan_features")]
 
-FSDP4 = {"fsdp_plan": {"apply_modules": TITAN_BLOCKS}, "fully_shard_parallel_size": 4}
+FSDP4 = {"model_facts": TITAN_FACTS, "fsdp_plan": {"apply_modules": TITAN_BLOCKS}, "fully_shard_parallel_size": 4}
 # HSDP 2 x 2: four data shards of one row each.
-MIXED = {"data_parallel_size": 2, "fully_shard_parallel_size": 2,
+MIXED = {"model_facts": TITAN_FACTS, "data_parallel_size": 2, "fully_shard_parallel_size": 2,
          "fsdp_plan": {"apply_modules": TITAN_BLOCKS, "param_dtype": "bfloat16", "reduce_dtype": "float32",
                        "num_to_forward_prefetch": 1, "num_to_backward_prefetch": 1}}
 DATA_SHARDS = 4
@@ -33,8 +33,8 @@ LAYOUTS = {
     "hsdp 2x2, bf16 params / fp32 reduce, prefetch": MIXED,
     # Both blocks swapped (the default: torchtitan's ModuleDict of layers); the first one's
     # activations leave when the second starts, the last stays resident. Forced on CPU.
-    "fsdp4 + activation swap": {**FSDP4, "swap_activation": True, "swap_activation_force": True},
-    "fsdp4 + optimizer swap": {**FSDP4, "swap_optimizer": True, "swap_optimizer_force": True},
+    "fsdp4 + activation swap": {**FSDP4, "swap_activation": True, "swap_force": True},
+    "fsdp4 + optimizer swap": {**FSDP4, "swap_optimizer": True, "swap_force": True},
     "fsdp4 + mxfp8": {**FSDP4, "quantization_plan": MX_PLAN},
     "fsdp4": FSDP4,
     # inductor, as the compile integration tests: one graph for both blocks.
@@ -95,12 +95,15 @@ def test_mxfp8_matches_the_emulated_mx_model(runs, reference):
     FP8 step, which the bounds leave room for. Stated: first loss rtol 1e-5, every loss rtol
     1e-4, every first-step gradient at least 60 dB SQNR. MX is really in use: the fp32 model
     is more than rtol 1e-5 away."""
+    from fsdp_turbo.core.model_facts import ModelFactsConfig, resolve_model_facts
     from fsdp_turbo.fsdp_turbo_config import QuantizeConfig
     from fsdp_turbo.quantization.converter import plan_conversion
 
-    # The default plan picks the same modules once the head is named (torchtitan's has no
-    # get_output_embeddings()).
-    by_default, _ = plan_conversion(titan_llama(), QuantizeConfig(head_module="output"))
+    # The default plan picks the same modules once the model facts name the head (torchtitan's
+    # has no get_output_embeddings()).
+    model = titan_llama()
+    titan_facts = resolve_model_facts(model, ModelFactsConfig(**TITAN_FACTS))
+    by_default, _ = plan_conversion(model, QuantizeConfig(), titan_facts)
     assert {c.name for c in by_default} == {n for n, k in _each(runs, "fsdp4 + mxfp8")[0][1]["modules"].items()
                                            if k == "MXLinear"}
     mx, fp32 = reference["mx"], reference["fp32"]
@@ -129,7 +132,8 @@ def test_compiled_blocks_match_eager(runs, reference):
 
 
 # 2 replicas x 2 shards x TP 2, sequence parallel and the loss-parallel head: four data shards.
-DP_FSDP_TP = {"data_parallel_size": 2, "fully_shard_parallel_size": 2, "fsdp_plan": {"apply_modules": TITAN_BLOCKS},
+DP_FSDP_TP = {"model_facts": TITAN_FACTS,
+              "data_parallel_size": 2, "fully_shard_parallel_size": 2, "fsdp_plan": {"apply_modules": TITAN_BLOCKS},
               "tensor_parallel_size": 2,
               "tp_plan": {**TITAN_SP, "colwise_parallel": [*TITAN_SP["colwise_parallel"], "output"],
                           "loss_parallel": True}}

@@ -4,7 +4,7 @@ loss rtol 1e-5, the first step's gradients rtol 1e-4 / atol 1e-6. One 4-rank lau
 every layout in turn (each from the same seed), each asserted on its own."""
 
 import pytest
-from titan_jobs import TITAN_BLOCKS, TITAN_SP, TITAN_TP, each_layout, reference_run, turbo_run
+from titan_jobs import TITAN_BLOCKS, TITAN_FACTS, TITAN_SP, TITAN_TP, each_layout, reference_run, turbo_run
 
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 
@@ -12,7 +12,7 @@ pytest.importorskip("torchtitan")
 # Module-scoped launches: xdist keeps the module on one worker, so each runs once.
 pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("torchtitan_llama")]
 
-FSDP = {"fsdp_plan": {"apply_modules": TITAN_BLOCKS}}
+FSDP = {"model_facts": TITAN_FACTS, "fsdp_plan": {"apply_modules": TITAN_BLOCKS}}
 LAYOUTS = {
     "fsdp4": {**FSDP, "fully_shard_parallel_size": 4},
     "hsdp 2x2": {**FSDP, "data_parallel_size": 2, "fully_shard_parallel_size": 2},

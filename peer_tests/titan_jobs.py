@@ -23,10 +23,14 @@ TITAN_TP = {"colwise_parallel": ["layers.*.attention.wq", "layers.*.attention.wk
                                  "layers.*.feed_forward.w1", "layers.*.feed_forward.w3"],
             "rowwise_parallel": ["layers.*.attention.wo", "layers.*.feed_forward.w2"]}
 TITAN_BLOCKS = ["layers.*"]
-# Sequence parallel between the TP regions: the norms, and the head named (torchtitan's
-# model has no get_output_embeddings()).
-TITAN_SP = {**TITAN_TP, "sequence_parallel": ["layers.*.attention_norm", "layers.*.ffn_norm", "norm"],
-            "head_module": "output"}
+# What torchtitan's model is, said once (it does not describe itself as HF models do): its
+# head (no get_output_embeddings()), its embedding, its core attention (the ``inner_attention``
+# module, SDPA's form), and its forward's ``tokens`` / ``positions`` arguments.
+TITAN_FACTS = {"blocks": TITAN_BLOCKS, "head_module": "output", "embedding_module": "tok_embeddings",
+               "attention_modules": ["layers.*.attention.inner_attention"], "token_input": "tokens",
+               "position_input": "positions"}
+# Sequence parallel between the TP regions: the norms (it gathers before the facts' head).
+TITAN_SP = {**TITAN_TP, "sequence_parallel": ["layers.*.attention_norm", "layers.*.ffn_norm", "norm"]}
 
 
 def titan_llama(seed: int = 0) -> nn.Module:

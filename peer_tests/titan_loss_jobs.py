@@ -11,11 +11,6 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_turbo.core.testing import shard_rows, train_steps
 
-# torchtitan's names: its core attention is the ``inner_attention`` module (SDPA's form),
-# its forward takes ``tokens`` and ``positions`` (RoPE from its own freqs_cis buffer).
-TITAN_CP = {"attention_modules": ["layers.*.attention.inner_attention"], "token_input": "tokens",
-            "position_input": "positions"}
-
 
 def aligned_labels(batch: torch.Tensor) -> torch.Tensor:
     """torchtitan's convention: ``labels[:, t]`` is the target of position ``t``."""

@@ -89,14 +89,17 @@ TITAN_APPLY_TP = {
     "colwise_parallel": ["layers.*.attention.wq", "layers.*.attention.wk", "layers.*.attention.wv",
                          "layers.*.feed_forward.w1", "layers.*.feed_forward.w3", "output"],
     "rowwise_parallel": ["layers.*.attention.wo", "layers.*.feed_forward.w2", "tok_embeddings"],
-    "sequence_parallel": NORMS, "head_module": "output", "loss_parallel": True}
+    "sequence_parallel": NORMS, "loss_parallel": True}
+# What torchtitan's model is (it has no get_output_embeddings()): said once, for every feature.
+TITAN_FACTS = {"head_module": "output", "embedding_module": "tok_embeddings"}
 # torchtitan's Qwen3-MoE "debugmodel_moe", smaller: 2 layers, dim 128, 8 experts top-2.
 QWEN3_MOE = {"n_layers": 2, "dim": 128, "n_heads": 8, "n_kv_heads": 4, "head_dim": 16, "hidden_dim": 256,
              "moe_inter_dim": 128, "vocab_size": 2048, "max_seq_len": 256, "attn_type": "sdpa"}
 MOE = {"num_experts": 8, "top_k": 2, "use_grouped_mm": False}  # grouped_mm's permute is a Triton kernel
 LAYOUTS = {  # name -> (model, fsdp, tp, our config)
     "fsdp4": ("llama3", 4, 1, {"fully_shard_parallel_size": 4, "fsdp_plan": FSDP_UNITS}),
-    "fsdp2_tp2": ("llama3", 2, 2, {"fully_shard_parallel_size": 2, "tensor_parallel_size": 2,
+    "fsdp2_tp2": ("llama3", 2, 2, {"model_facts": TITAN_FACTS,
+                                   "fully_shard_parallel_size": 2, "tensor_parallel_size": 2,
                                    "fsdp_plan": FSDP_UNITS, "tp_plan": TITAN_APPLY_TP}),
     "moe_fsdp4": ("qwen3_moe", 4, 1, {"fully_shard_parallel_size": 4, "fsdp_plan": FSDP_UNITS}),
 }

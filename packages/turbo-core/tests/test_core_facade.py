@@ -8,7 +8,7 @@ from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import TransformRegistry
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 from fsdp_turbo.fsdp_turbo import FSDPTurbo, plan_transforms
-from fsdp_turbo.fsdp_turbo_config import ConfigError, FSDPTurboConfig, TPPlanConfig
+from fsdp_turbo.fsdp_turbo_config import ConfigError, FSDPTurboConfig
 
 pytest.importorskip("transformers")
 
@@ -73,27 +73,19 @@ def test_missing_feature_package_is_named():
         plan_transforms(config, tiny_hf_causal_lm("llama"), _state(config, 1), EMPTY)
 
 
-def test_head_count_must_divide_tp_times_cp():
-    config = FSDPTurboConfig(tensor_parallel_size=3, tp_plan=TPPlanConfig(colwise_parallel=["*.q_proj"]))
-    with pytest.raises(ConfigError) as info:
-        plan_transforms(config, tiny_hf_causal_lm("llama"), _state(config, 3))
-    assert "num_attention_heads=4" in str(info.value)
-
-
 # One non-default value for every field a feature owns (core.features.FEATURE_FIELDS).
 OFF_FEATURE_VALUES = {
     "tp_plan": {"colwise_parallel": ["*.q_proj"], "sequence_parallel": ["*norm"], "loss_parallel": True},
     "ep_plan": {"dispatcher": "eager"},
     "expert_fully_shard_parallel_size": 1,
-    "cp_plan": {"attention_function": "torch.nn.functional.scaled_dot_product_attention"},
+    "cp_plan": {"mode": "ring"},
     "recompute_plan": ["model.layers.*"],
     "recompute_policy": "selective",
     "chunk_loss_plan": {"chunk_size": 8},
     "swap_activation_plan": ["model.layers.*"],
-    "swap_activation_force": True,
+    "swap_force": True,
     "compile_plan": ["model.layers.*"],
     "compile_backend": "aot_eager",
-    "swap_optimizer_force": True,
 }
 
 

@@ -4,7 +4,6 @@ import logging
 
 import pytest
 import torch
-from torch import nn
 
 from fsdp_turbo.core import device, ops
 from fsdp_turbo.core.errors import ConfigError
@@ -55,7 +54,7 @@ class _Named(Transform):
     def __init__(self, name, stage):
         self.name, self.stage = name, stage
 
-    def plan(self, config, model, parallel_state, upstream):
+    def plan(self, config, model, parallel_state, upstream, facts):
         return None
 
     def apply(self, model, plan, parallel_state):
@@ -131,27 +130,6 @@ def test_logger_is_rank_aware(monkeypatch, caplog):
     assert "[rank0] shown on rank 0" in messages
     assert not any("hidden" in m for m in messages)
     assert messages.count("[rank0] once") == 1
-
-
-def test_repeated_blocks_fallback_for_plain_models():
-    from fsdp_turbo.core.model_inspect import repeated_blocks
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.small = nn.ModuleList([nn.Linear(1, 1)])
-            self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
-
-    assert list(repeated_blocks(Net())) == ["blocks.0", "blocks.1", "blocks.2"]
-    assert repeated_blocks(nn.Linear(2, 2)) == {}
-
-    class Keyed(nn.Module):  # torchtitan keeps its layers in a ModuleDict (for pipeline stages)
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleDict({str(i): nn.Linear(8, 8) for i in range(3)})
-            self.mixed = nn.ModuleDict({"a": nn.Linear(9, 9), "b": nn.ReLU()})
-
-    assert list(repeated_blocks(Keyed())) == ["layers.0", "layers.1", "layers.2"]
 
 
 class _Needs(_Named):

@@ -84,7 +84,8 @@ def test_attention_all_to_all_is_the_only_cp_communication():
 def test_non_hf_model_by_attention_function_path(mode):
     """Ulysses runs the named function on head shards; the ring stands in for it (causal SDPA)."""
     expected = run_reference(tiny_lm_reference, BATCHES, timeout=300)
-    config = {"context_parallel_size": 2, "cp_plan": {"attention_function": "cp_jobs.core_attention", "mode": mode}}
+    config = {"context_parallel_size": 2, "model_facts": {"attention_function": "cp_jobs.core_attention"},
+              "cp_plan": {"mode": mode}}
     for record in run_distributed(tiny_lm_cp_run, 2, BATCHES, config, timeout=300):
         assert_parity(expected, record, **TOL)
 
@@ -103,7 +104,7 @@ def test_cp2_x_ep2_moe_sees_local_tokens():
 def test_a_model_that_bound_its_attention_early_is_refused_on_every_rank():
     from cp_jobs import cp_with_attention_bound_early
 
-    config = {"context_parallel_size": 2, "cp_plan": {"attention_function": "cp_jobs.core_attention"}}
+    config = {"context_parallel_size": 2, "model_facts": {"attention_function": "cp_jobs.core_attention"}}
     errors = run_distributed(cp_with_attention_bound_early, 2, config, timeout=120, return_exceptions=True)
     assert all(isinstance(e, ConfigError) and "ran in 0 of 1 attention layers" in str(e) for e in errors), errors
 
@@ -111,7 +112,7 @@ def test_a_model_that_bound_its_attention_early_is_refused_on_every_rank():
 def test_heads_ulysses_cannot_split_are_refused_on_every_rank_before_the_all_to_all():
     from cp_jobs import cp_with_indivisible_heads
 
-    config = {"context_parallel_size": 2, "cp_plan": {"attention_function": "cp_jobs.core_attention"}}
+    config = {"context_parallel_size": 2, "model_facts": {"attention_function": "cp_jobs.core_attention"}}
     errors = run_distributed(cp_with_indivisible_heads, 2, config, timeout=120, return_exceptions=True)
     assert all(isinstance(e, ConfigError) and e.field == "context_parallel_size" and "3 query heads" in str(e)
                for e in errors), errors

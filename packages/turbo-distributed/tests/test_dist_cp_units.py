@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.model_facts import ModelFactsConfig, resolve_model_facts
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 from fsdp_turbo.distributed.context_parallel import CPState, resolve_cp_target
 from fsdp_turbo.distributed.context_parallel.inputs import split_inputs
@@ -71,17 +72,18 @@ def test_kv_replication_keeps_each_query_head_on_its_kv_head():
 
 
 def test_validation():
-    assert resolve_cp_target(tiny_hf_causal_lm("llama"), None).hf_implementation == "sdpa"
-    with pytest.raises(ConfigError, match="no recognisable attention"):
-        resolve_cp_target(nn.Sequential(nn.Linear(2, 2)), None)
-    with pytest.raises(ConfigError, match="does not import"):
-        from fsdp_turbo.fsdp_turbo_config import CPPlanConfig
+    def target(model, **facts):
+        return resolve_cp_target(model, None, resolve_model_facts(model, ModelFactsConfig(**facts)))
 
-        resolve_cp_target(nn.Linear(2, 2), CPPlanConfig(attention_function="torch.no_such_attention"))
+    assert target(tiny_hf_causal_lm("llama")).hf_implementation == "sdpa"
+    with pytest.raises(ConfigError, match="no recognisable attention"):
+        target(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ConfigError, match="does not import"):
+        target(nn.Linear(2, 2), attention_function="torch.no_such_attention")
     flex = tiny_hf_causal_lm("llama")
     flex.config._attn_implementation = "flex_attention"
     with pytest.raises(ConfigError, match="cannot take the place"):
-        resolve_cp_target(flex, None)
+        target(flex)
 
 
 def test_zigzag_tiles_one_kernel_call_per_off_diagonal_block():

@@ -10,6 +10,7 @@ from expert_form_jobs import NUM_EXPERTS, Block, SortedRowExperts, TanhMoE, ep2_
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.model_facts import resolve_model_facts
 from fsdp_turbo.distributed.expert_parallel import (
     DISPATCHERS,
     CountedExperts,
@@ -51,7 +52,7 @@ def _assert_same_training_step(reference: nn.Module, converted: nn.Module, *inpu
 def test_the_readme_form_is_registered_first_and_picked_by_the_plan():
     with readme_form() as form:
         assert expert_forms()[0] is form
-        plan = resolve_ep_plan(Block(), EPPlanConfig(apply_modules=["experts"]), ep_size=2)
+        plan = resolve_ep_plan(Block(), EPPlanConfig(apply_modules=["experts"]), 2, resolve_model_facts(Block()))
         assert plan.containers == (("experts", form(num_experts=NUM_EXPERTS)),)
     assert form not in expert_forms()
 
@@ -96,7 +97,7 @@ def test_torchtitan_form_matches_its_container_at_ep1(dispatcher):
 def test_a_module_no_form_matches_is_a_config_error_naming_field_and_fix():
     model = nn.Sequential(nn.Linear(4, 4))
     with readme_form(), pytest.raises(ConfigError) as caught:
-        resolve_ep_plan(model, EPPlanConfig(apply_modules=["0"]), ep_size=2)
+        resolve_ep_plan(model, EPPlanConfig(apply_modules=["0"]), 2, resolve_model_facts(model))
     error = caught.value
     assert error.field == "ep_plan.apply_modules" and error.value == "0"
     assert "register_expert_form" in error.fix and "Linear is not an expert container" in error.reason

@@ -4,10 +4,15 @@ import pytest
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.model_facts import resolve_model_facts
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 from fsdp_turbo.distributed.fully_shard_parallel import select_units
 from fsdp_turbo.distributed.fully_shard_parallel.units import prefetch_plan
 from fsdp_turbo.fsdp_turbo_config import FSDPPlanConfig
+
+
+def _blocks(model):
+    return resolve_model_facts(model).blocks
 
 pytest.importorskip("transformers")
 
@@ -15,14 +20,15 @@ pytest.importorskip("transformers")
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_default_units_are_the_decoder_layers(kind):
     model = tiny_hf_causal_lm(kind, num_hidden_layers=3)
-    assert list(select_units(model, FSDPPlanConfig()).units) == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    units = select_units(model, FSDPPlanConfig(), _blocks(model)).units
+    assert list(units) == ["model.layers.0", "model.layers.1", "model.layers.2"]
 
 
 def test_patterns_pick_outermost_units():
     model = tiny_hf_causal_lm("llama", num_hidden_layers=4)
     plan = FSDPPlanConfig(apply_modules=["model.layers.{1-2}*", "model.embed_tokens"],
                           ignored_modules=["model.layers.0.mlp"])
-    selection = select_units(model, plan)
+    selection = select_units(model, plan, _blocks(model))
     assert list(selection.units) == ["model.embed_tokens", "model.layers.1", "model.layers.2"]
     assert list(selection.ignored) == ["model.layers.0.mlp"]
     assert selection.ignored_params() == set(model.model.layers[0].mlp.parameters())
@@ -31,9 +37,9 @@ def test_patterns_pick_outermost_units():
 def test_ignoring_a_unit_or_its_parent_is_an_error():
     model = tiny_hf_causal_lm("llama")
     with pytest.raises(ConfigError, match=r"contains the FSDP unit 'model\.layers\.0'"):
-        select_units(model, FSDPPlanConfig(ignored_modules=["model.layers.0"]))
+        select_units(model, FSDPPlanConfig(ignored_modules=["model.layers.0"]), _blocks(model))
     with pytest.raises(ConfigError, match="contains the FSDP unit"):
-        select_units(model, FSDPPlanConfig(ignored_modules=["model"]))
+        select_units(model, FSDPPlanConfig(ignored_modules=["model"]), _blocks(model))
 
 
 def test_prefetch_plan_neighbours():
@@ -55,7 +61,7 @@ def test_the_plan_names_who_prefetches_whom():
     experts = tuple(f"model.layers.{i}.mlp.experts" for i in range(3))
     settings = FSDPPlanConfig(apply_modules=["model.layers.*", "lm_head"], num_to_forward_prefetch=1,
                               num_to_backward_prefetch=2)
-    plan = plan_fully_shard(model, settings, state, experts=experts, chunked_head="lm_head")
+    plan = plan_fully_shard(model, settings, state, resolve_model_facts(model), experts=experts, chunked_head="lm_head")
     layer = "model.layers.{}".format
     assert plan.units == (layer(0), layer(1), layer(2), "lm_head") and plan.shards == 4
     # Forward: the next unit and the experts inside it; backward: the previous two, experts first.
@@ -102,21 +108,22 @@ def test_fsdp_plan_applies_in_a_single_process():
 def test_kept_units_are_named_units():
     model = tiny_hf_causal_lm("llama", num_hidden_layers=2)
     plan = FSDPPlanConfig(apply_modules=["model.layers.*", "lm_head"], keep_after_forward=["lm_head"])
-    assert select_units(model, plan).kept == ("lm_head",)
-    assert select_units(model, FSDPPlanConfig()).kept == ()
+    assert select_units(model, plan, _blocks(model)).kept == ("lm_head",)
+    assert select_units(model, FSDPPlanConfig(), _blocks(model)).kept == ()
     with pytest.raises(ConfigError, match=r"fsdp_plan\.keep_after_forward.*not an FSDP unit"):
-        select_units(model, FSDPPlanConfig(keep_after_forward=["lm_head"]))
+        select_units(model, FSDPPlanConfig(keep_after_forward=["lm_head"]), _blocks(model))
 
 
 def test_unit_groups_make_one_unit_in_model_order():
     model = tiny_hf_causal_lm("llama", num_hidden_layers=2)
     plan = FSDPPlanConfig(apply_modules=["model.layers.*"], unit_groups=[["model.norm", "lm_head"]],
                           keep_after_forward=["lm_head"])
-    selection = select_units(model, plan)
+    selection = select_units(model, plan, _blocks(model))
     assert list(selection.units) == ["model.layers.0", "model.layers.1", "model.norm"]
     assert selection.groups == {"model.norm": ("model.norm", "lm_head")}
     assert selection.kept == ("model.norm",)  # the group that holds lm_head
     with pytest.raises(ConfigError, match=r"fsdp_plan\.unit_groups.*two FSDP units"):
-        select_units(model, FSDPPlanConfig(apply_modules=["model.layers.*"], unit_groups=[["model.layers.1.mlp"]]))
+        plan = FSDPPlanConfig(apply_modules=["model.layers.*"], unit_groups=[["model.layers.1.mlp"]])
+        select_units(model, plan, _blocks(model))
     with pytest.raises(ConfigError, match=r"fsdp_plan\.unit_groups"):
         FSDPPlanConfig(unit_groups="model.norm")

@@ -3,11 +3,16 @@
 import pytest
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.model_facts import resolve_model_facts
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 from fsdp_turbo.distributed.tensor_parallel import resolve_tp_plan
 from fsdp_turbo.fsdp_turbo_config import TPPlanConfig
 
 pytest.importorskip("transformers")
+
+
+def _resolve(model, plan, tp=2):
+    return resolve_tp_plan(model, plan, tp, resolve_model_facts(model))
 
 FULL = TPPlanConfig(colwise_parallel=["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj", "lm_head"],
                     rowwise_parallel=["*.o_proj", "*.down_proj", "model.embed_tokens"],
@@ -15,7 +20,7 @@ FULL = TPPlanConfig(colwise_parallel=["*.q_proj", "*.k_proj", "*.v_proj", "*.gat
 
 
 def test_qwen3_full_plan_kinds():
-    kinds = resolve_tp_plan(tiny_hf_causal_lm("qwen3"), FULL, 2).kinds
+    kinds = _resolve(tiny_hf_causal_lm("qwen3"), FULL).kinds
     assert kinds["model.layers.0.self_attn"] == "prepare_input"
     assert kinds["model.layers.0.mlp"] == "prepare_input"
     assert kinds["model.layers.0.self_attn.q_norm"] == "head_local"
@@ -27,7 +32,7 @@ def test_qwen3_full_plan_kinds():
 
 def test_llama_without_sp_replicates_the_norms():
     plan = TPPlanConfig(colwise_parallel=["*.q_proj", "*.k_proj", "*.v_proj"], rowwise_parallel=["*.o_proj"])
-    resolved = resolve_tp_plan(tiny_hf_causal_lm("llama"), plan, 2)
+    resolved = _resolve(tiny_hf_causal_lm("llama"), plan)
     assert resolved.kinds["model.norm"] == "replicate"
     assert resolved.kinds["model.layers.0.mlp.gate_proj"] == "replicate"
     assert resolved.kinds["lm_head"] == "replicate"
@@ -37,13 +42,13 @@ def test_llama_without_sp_replicates_the_norms():
 def test_sp_without_a_sharded_head_gathers_before_it():
     plan = TPPlanConfig(colwise_parallel=["*.q_proj"], rowwise_parallel=["*.o_proj"],
                         sequence_parallel=["*layernorm", "model.norm"])
-    assert resolve_tp_plan(tiny_hf_causal_lm("llama"), plan, 2).kinds["lm_head"] == "gather_replicate"
+    assert _resolve(tiny_hf_causal_lm("llama"), plan).kinds["lm_head"] == "gather_replicate"
 
 
 def test_tied_embeddings_are_recorded():
     model = tiny_hf_causal_lm("llama", tie_word_embeddings=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    resolved = resolve_tp_plan(model, FULL, 2)
+    resolved = _resolve(model, FULL)
     assert sorted(m for m, _ in resolved.tied[0]) == ["lm_head", "model.embed_tokens"]
 
 
@@ -54,7 +59,7 @@ def test_tied_embeddings_are_recorded():
 ])
 def test_bad_plans(plan, message):
     with pytest.raises(ConfigError, match=message):
-        resolve_tp_plan(tiny_hf_causal_lm("llama"), plan, 2)
+        _resolve(tiny_hf_causal_lm("llama"), plan)
 
 
 def _scatter_twice():

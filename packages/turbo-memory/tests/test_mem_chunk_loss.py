@@ -7,6 +7,7 @@ import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.model_facts import ModelFactsConfig, resolve_model_facts
 from fsdp_turbo.core.testing import make_token_batches, train_steps
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 from fsdp_turbo.fsdp_turbo import FSDPTurbo
@@ -192,11 +193,11 @@ def _reference_from_logits(logits, labels, z):
 
 def test_config_errors():
     with pytest.raises(ConfigError, match="head_module"):
-        FSDPTurbo(FSDPTurboConfig(chunk_loss=True, chunk_loss_plan={"head_module": "nope"}), tiny_hf_causal_lm())
+        FSDPTurbo(FSDPTurboConfig(chunk_loss=True, model_facts={"head_module": "nope"}), tiny_hf_causal_lm())
     with pytest.raises(ConfigError, match="no output embedding"):  # not HF: the head must be named
         FSDPTurbo(FSDPTurboConfig(chunk_loss=True), torch.nn.Sequential(torch.nn.Linear(4, 4)))
     with pytest.raises(ConfigError, match="2-D"):
-        FSDPTurbo(FSDPTurboConfig(chunk_loss=True, chunk_loss_plan={"head_module": "model.norm"}),
+        FSDPTurbo(FSDPTurboConfig(chunk_loss=True, model_facts={"head_module": "model.norm"}),
                   tiny_hf_causal_lm())
 
 
@@ -239,7 +240,7 @@ def test_a_model_that_returns_logits_gets_its_chunked_loss_through_lm_loss(caplo
     expected = F.cross_entropy(expected_model(tokens).flatten(0, 1), labels.flatten())
     expected.backward()
     model = _LogitsLM()
-    install_chunked_loss(model, head_module="output", chunk_size=6)
+    install_chunked_loss(model, resolve_model_facts(model, ModelFactsConfig(head_module="output")), chunk_size=6)
     loss = lm_loss(model, labels, tokens)
     loss.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)

@@ -163,7 +163,7 @@ def test_gradient_accumulation(order):
 def test_facade_trains_like_the_unswapped_model():
     model = tiny_hf_causal_lm("llama", seed=0)
     ref = copy.deepcopy(model)
-    config = FSDPTurboConfig(swap_activation=True, swap_activation_force=True, device_type="cpu")
+    config = FSDPTurboConfig(swap_activation=True, swap_force=True, device_type="cpu")
     model = FSDPTurbo(config, model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -199,7 +199,7 @@ def test_recomputed_blocks_are_swapped_and_blocks_inside_them_are_skipped():
     model = tiny_hf_causal_lm("llama", seed=0, num_hidden_layers=3)
     config = FSDPTurboConfig(recompute=True, recompute_plan=["model.layers.{1-2}"], swap_activation=True,
                              swap_activation_plan=["model.layers.{0-1}.mlp", "model.layers.2"],
-                             swap_activation_force=True, device_type="cpu")
+                             swap_force=True, device_type="cpu")
     model = FSDPTurbo(config, model)
     plan = model.fsdp_turbo_plans["swap_activation"]
     assert plan.blocks == ("model.layers.0.mlp", "model.layers.2") and plan.recomputed == ("model.layers.2",)
@@ -296,7 +296,7 @@ def test_recompute_and_the_swap_stack_on_the_same_blocks():
     ids = _batches(1)[0]
     results = {}
     for swap in (False, True):
-        config = FSDPTurboConfig(recompute=True, swap_activation=swap, swap_activation_force=swap)
+        config = FSDPTurboConfig(recompute=True, swap_activation=swap, swap_force=swap)
         model = FSDPTurbo(config, tiny_hf_causal_lm("llama", seed=0, num_hidden_layers=4))
         tracker = MemTracker()
         tracker.track_external(model)

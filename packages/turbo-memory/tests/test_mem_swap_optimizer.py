@@ -307,7 +307,7 @@ def test_dtensor_states_keep_mesh_and_placements():
 # ----- the facade ---------------------------------------------------------------------------------
 def test_facade_swaps_the_optimizer_built_afterwards():
     ref_model = tiny_hf_causal_lm("llama", seed=0)
-    model = FSDPTurbo(FSDPTurboConfig(swap_optimizer=True, swap_optimizer_force=True), copy.deepcopy(ref_model))
+    model = FSDPTurbo(FSDPTurboConfig(swap_optimizer=True, swap_force=True), copy.deepcopy(ref_model))
     handle = getattr(model, HANDLE_ATTR)
     ref_opt, opt = _adamw(ref_model), _adamw(model)
     for ids in _batches(STEPS):
@@ -326,7 +326,7 @@ def test_facade_hook_goes_away_with_the_model():
     from torch.optim.optimizer import _global_optimizer_pre_hooks
 
     before = len(_global_optimizer_pre_hooks)
-    model = FSDPTurbo(FSDPTurboConfig(swap_optimizer=True, swap_optimizer_force=True),
+    model = FSDPTurbo(FSDPTurboConfig(swap_optimizer=True, swap_force=True),
                       tiny_hf_causal_lm("llama", seed=0))
     assert len(_global_optimizer_pre_hooks) == before + 1
     del model

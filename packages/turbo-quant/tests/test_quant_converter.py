@@ -89,10 +89,11 @@ def test_facade_converts_first_and_trains():
 def test_what_a_converter_leaves_out_is_named_and_nothing_to_convert_is_an_error(caplog):
     import logging
 
+    from fsdp_turbo.core.model_facts import resolve_model_facts
     from fsdp_turbo.quantization.converter import plan_conversion
 
     model = tiny_hf_causal_lm("llama")  # k_proj / v_proj: 32 out features
-    conversions, skipped = plan_conversion(model, QuantizeConfig(block_size=64))
+    conversions, skipped = plan_conversion(model, QuantizeConfig(block_size=64), resolve_model_facts(model))
     left = dict(skipped)
     assert "output head" in left["lm_head"]
     assert "out_features=32 not divisible by block_size=64" in left["model.layers.0.self_attn.k_proj"]

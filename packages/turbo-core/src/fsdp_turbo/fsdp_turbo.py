@@ -1,10 +1,11 @@
 """The facade: ``model = FSDPTurbo(config, model)``.
 
-It plans every enabled feature on every rank before any collective (each plan a value,
-made once), then applies the plans in pipeline order, in place. The returned module is
+It resolves what the model is once (:class:`ModelFacts`), plans every enabled feature
+from those facts on every rank before any collective (each plan a value, made once), then
+applies the plans in pipeline order, in place. The returned module is
 the user's own model (same forward, attributes, parameter names and state_dict keys),
-with ``model.parallel_state`` and the plans it was given (``model.fsdp_turbo_plans``)
-attached.
+with ``model.parallel_state``, the facts (``model.fsdp_turbo_facts``) and the plans it
+was given (``model.fsdp_turbo_plans``) attached.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.features import Feature, ignored_fields, requested_features
 from fsdp_turbo.core.lm_loss import lm_loss
 from fsdp_turbo.core.logging import get_logger
-from fsdp_turbo.core.model_inspect import attention_heads
-from fsdp_turbo.core.parallel_state import ParallelSizes, ParallelState
+from fsdp_turbo.core.model_facts import ModelFacts, resolve_model_facts
+from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import FeaturePlan, Transform, TransformRegistry, planning_order, registry
 from fsdp_turbo.core.topology import launch_warnings
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
-__all__ = ["FSDPTurbo", "Planned", "lm_loss", "plan_transforms"]
+__all__ = ["FSDPTurbo", "ModelFacts", "Planned", "lm_loss", "model_facts", "plan_transforms"]
 
 M = TypeVar("M", bound=nn.Module)
 _log = get_logger(__name__)
@@ -51,21 +52,6 @@ def _world_and_rank() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-
-
-def _check_model_shape(model: nn.Module, sizes: ParallelSizes, config: FSDPTurboConfig) -> None:
-    heads, kv_heads = attention_heads(model)
-    mode = config.cp_plan.mode if config.cp_plan is not None and sizes.cp > 1 else "ulysses"
-    # the heads split over TP and over the Ulysses ranks of CP; a ring keeps them all
-    ulysses, field = {"ulysses": (sizes.cp, "tensor_parallel_size*context_parallel_size"),
-                      "ring": (1, "tensor_parallel_size"),
-                      "hybrid": (config.cp_plan.ulysses_size if mode == "hybrid" else 1,
-                                 "tensor_parallel_size*cp_plan.ulysses_size")}[mode]
-    split = sizes.tp * ulysses
-    if heads is not None and split > 1 and heads % split:
-        fix = f"use sizes whose product divides num_attention_heads={heads}"
-        raise ConfigError(field, split, fix + (", or cp_plan.mode='ring'" if mode != "ring" and sizes.cp > 1 else ""),
-                          reason=f"the model has {heads} attention heads ({kv_heads} key/value heads)")
 
 
 def _installed_version(package: str) -> str | None:
@@ -91,10 +77,18 @@ class Planned(NamedTuple):
     plan: FeaturePlan
 
 
+def model_facts(config: FSDPTurboConfig, model: nn.Module, transforms: TransformRegistry = registry) -> ModelFacts:
+    """What ``model`` is, from ``config.model_facts`` and detection. The installed transforms
+    are loaded first: expert parallel registers the expert forms the facts recognise."""
+    transforms.all()
+    return resolve_model_facts(model, config.model_facts)
+
+
 def plan_transforms(config: FSDPTurboConfig, model: nn.Module, state: ParallelState,
-                    transforms: TransformRegistry = registry) -> list[Planned]:
-    """Plan every enabled feature; return the plans in the order to apply them. No collectives."""
-    _check_model_shape(model, state.sizes, config)
+                    transforms: TransformRegistry = registry, facts: ModelFacts | None = None) -> list[Planned]:
+    """Plan every enabled feature from the model facts (resolved here unless given); return
+    the plans in the order to apply them. No collectives."""
+    facts = facts if facts is not None else model_facts(config, model, transforms)
     for feature in requested_features(config, state):
         if transforms.get(feature.transform) is None:
             raise _missing_feature_error(feature, config)
@@ -106,7 +100,7 @@ def plan_transforms(config: FSDPTurboConfig, model: nn.Module, state: ParallelSt
     plans: dict[str, FeaturePlan] = {}
     for transform in planning_order(enabled):
         upstream = MappingProxyType({name: plans.get(name) for name in transform.requires})
-        plans[transform.name] = transform.plan(config, model, state, upstream)
+        plans[transform.name] = transform.plan(config, model, state, upstream, facts)
     return [Planned(transform, plans[transform.name]) for transform in enabled]
 
 
@@ -135,7 +129,8 @@ def FSDPTurbo(config: FSDPTurboConfig | Mapping[str, Any] | str | Path, model: M
         for message in launch_warnings(sizes):
             _log.warning(message)
     state = ParallelState.create(sizes, rank, detect_device_type(config.device_type))
-    planned = plan_transforms(config, model, state)
+    facts = model_facts(config, model)
+    planned = plan_transforms(config, model, state, facts=facts)
     record_blueprint(model)
     _ensure_process_group(state, planned)
     for transform, plan in planned:
@@ -143,6 +138,7 @@ def FSDPTurbo(config: FSDPTurboConfig | Mapping[str, Any] | str | Path, model: M
         model = transform.apply(model, plan, state)
     model.parallel_state = state
     model.fsdp_turbo_config = config
+    model.fsdp_turbo_facts = facts
     model.fsdp_turbo_plans = MappingProxyType({transform.name: plan for transform, plan in planned})
     if has_meta_tensors(model):
         guard_meta_model(model)  # until load_pretrained or init_weights gives it weights

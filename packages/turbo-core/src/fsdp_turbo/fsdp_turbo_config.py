@@ -34,8 +34,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from fsdp_turbo.core.choices import check_published_choice
 from fsdp_turbo.core.dtypes import parse_dtype
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.model_facts import ModelFactsConfig
 from fsdp_turbo.core.parallel_state import ParallelSizes, resolve_parallel_sizes
 from fsdp_turbo.core.validation import (
     ConfigSection,
@@ -45,6 +47,7 @@ from fsdp_turbo.core.validation import (
     check_int,
     check_optional_patterns,
     check_patterns,
+    moved_fields,
 )
 
 __all__ = [
@@ -58,9 +61,7 @@ __all__ = [
     "TPPlanConfig",
 ]
 
-QUANT_FORMATS = ("E4M3", "E5M2", "HIF8")
 SCALE_MODES = ("floor", "rceil")
-DISPATCHERS = ("eager", "fused", "mc2")
 RECOMPUTE_POLICIES = ("full", "selective")
 
 
@@ -128,12 +129,12 @@ class FSDPPlanConfig(ConfigSection):
         check_bool(self.cpu_offload, f"{p}.cpu_offload")
 
 
+@moved_fields({"head_module": "model_facts.head_module"})
 @dataclass(frozen=True)
 class TPPlanConfig(ConfigSection):
-    """Tensor-parallel plan: Linear (and Embedding) modules picked by pattern.
-    ``head_module``: the output head's name where HF's ``get_output_embeddings()`` does not
-    find it (e.g. torchtitan's ``output``); sequence parallel gathers before it, and loss
-    parallel shards it on the vocabulary."""
+    """Tensor-parallel plan: Linear (and Embedding) modules picked by pattern. The output head
+    it gathers before (sequence parallel) or shards on the vocabulary (loss parallel) is the
+    model facts' (``model_facts.head_module``)."""
 
     _prefix: ClassVar[str] = "tp_plan"
 
@@ -141,14 +142,11 @@ class TPPlanConfig(ConfigSection):
     rowwise_parallel: tuple[str, ...] = ()
     sequence_parallel: tuple[str, ...] = ()
     loss_parallel: bool = False
-    head_module: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("colwise_parallel", "rowwise_parallel", "sequence_parallel"):
             _set(self, name, check_patterns(getattr(self, name), f"tp_plan.{name}"))
         check_bool(self.loss_parallel, "tp_plan.loss_parallel")
-        if self.head_module is not None and (not isinstance(self.head_module, str) or not self.head_module):
-            raise ConfigError("tp_plan.head_module", self.head_module, "name the output head module, e.g. 'output'")
         both = sorted(set(self.colwise_parallel) & set(self.rowwise_parallel))
         if both:
             raise ConfigError("tp_plan.rowwise_parallel", both[0], "list a pattern in one of colwise/rowwise only",
@@ -161,20 +159,22 @@ class TPPlanConfig(ConfigSection):
 
 @dataclass(frozen=True)
 class EPPlanConfig(ConfigSection):
-    """Expert-parallel plan: which modules hold experts, and how tokens reach them."""
+    """Expert-parallel plan: which expert containers to shard, and how tokens reach them."""
 
     _prefix: ClassVar[str] = "ep_plan"
 
-    apply_modules: tuple[str, ...] = ("*mlp.experts*",)
+    apply_modules: tuple[str, ...] | None = None
     dispatcher: str = "fused"
     num_chunks: int = 2
 
     def __post_init__(self) -> None:
-        _set(self, "apply_modules", check_patterns(self.apply_modules, "ep_plan.apply_modules"))
-        _set(self, "dispatcher", check_choice(self.dispatcher, "ep_plan.dispatcher", DISPATCHERS))
+        _set(self, "apply_modules", check_optional_patterns(self.apply_modules, "ep_plan.apply_modules"))
+        _set(self, "dispatcher", check_published_choice(self.dispatcher, "ep_plan.dispatcher"))
         check_int(self.num_chunks, "ep_plan.num_chunks", minimum=1)
 
 
+@moved_fields({name: f"model_facts.{name}"
+               for name in ("attention_function", "attention_modules", "token_input", "position_input")})
 @dataclass(frozen=True)
 class CPPlanConfig(ConfigSection):
     """Context parallel. ``mode``: ``ulysses`` (all-to-all to head shards: bounded by the
@@ -182,40 +182,19 @@ class CPPlanConfig(ConfigSection):
     any head count) or ``hybrid`` (Ulysses over ``ulysses_size`` ranks inside a ring).
     ``load_balance``: ring chunks in zig-zag order, so every rank does the same causal work.
 
-    Non-HF models name their core attention, ``(q, k, v, **kwargs) -> out`` on
-    ``[B, heads, S, D]`` as ``F.scaled_dot_product_attention``: by ``attention_function``
-    (a dotted path to the function the model calls) or ``attention_modules`` (patterns
-    of the modules whose forward it is, such as torchtitan's ``layers.*.attention.inner_attention``).
-    Ulysses runs that attention on the whole sequence for a head shard; ring and hybrid
-    replace it by causal softmax attention (``scale`` and ``enable_gqa`` honoured; a mask,
-    dropout or ``is_causal=False`` is refused at the call). ``token_input`` names the
-    forward argument holding ``[B, S]`` tokens (or embeddings) that is split;
-    ``position_input`` the one that receives each rank's absolute positions ``[B, S/cp]``."""
+    The core attention it wraps and the forward arguments it splits are model facts
+    (``model_facts.attention_function`` / ``attention_modules`` / ``token_input`` /
+    ``position_input``). Ulysses runs that attention on the whole sequence for a head
+    shard; ring and hybrid replace it by causal softmax attention (``scale`` and
+    ``enable_gqa`` honoured; a mask, dropout or ``is_causal=False`` is refused at the call)."""
 
     _prefix: ClassVar[str] = "cp_plan"
 
-    attention_function: str | None = None
-    attention_modules: tuple[str, ...] | None = None
     mode: str = "ulysses"
     ulysses_size: int | None = None
     load_balance: bool = True
-    token_input: str = "input_ids"
-    position_input: str = "position_ids"
 
     def __post_init__(self) -> None:
-        fn = self.attention_function
-        if fn is not None and (not isinstance(fn, str) or "." not in fn):
-            raise ConfigError("cp_plan.attention_function", fn,
-                              "use a dotted path such as 'my_pkg.attn.core_attention'")
-        _set(self, "attention_modules", check_optional_patterns(self.attention_modules, "cp_plan.attention_modules"))
-        if fn is not None and self.attention_modules is not None:
-            raise ConfigError("cp_plan.attention_modules", list(self.attention_modules),
-                              "give attention_function or attention_modules, not both",
-                              reason=f"attention_function is {fn!r}")
-        for name in ("token_input", "position_input"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value.isidentifier():
-                raise ConfigError(f"cp_plan.{name}", value, "name an argument of the model's forward, e.g. 'tokens'")
         _set(self, "mode", check_choice(self.mode, "cp_plan.mode", ("ulysses", "ring", "hybrid")))
         check_bool(self.load_balance, "cp_plan.load_balance")
         if self.ulysses_size is not None:
@@ -228,34 +207,33 @@ class CPPlanConfig(ConfigSection):
             raise ConfigError("cp_plan.ulysses_size", self.ulysses_size, "use at least 2 (1 is mode 'ring')")
 
 
+@moved_fields({"head_module": "model_facts.head_module", "ignore_index": "model_facts.ignore_index"})
 @dataclass(frozen=True)
 class ChunkLossPlanConfig(ConfigSection):
-    """Chunked cross-entropy: the full [tokens, vocab] logits are never built."""
+    """Chunked cross-entropy: the full [tokens, vocab] logits are never built. The head it
+    replaces and the label it ignores are model facts (``model_facts.head_module``,
+    ``model_facts.ignore_index``)."""
 
     _prefix: ClassVar[str] = "chunk_loss_plan"
 
     chunk_size: int = 1024
-    head_module: str | None = None
-    ignore_index: int = -100
     z_loss_weight: float = 0.0
     logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         check_int(self.chunk_size, "chunk_loss_plan.chunk_size", minimum=1)
-        if self.head_module is not None and not isinstance(self.head_module, str):
-            raise ConfigError("chunk_loss_plan.head_module", self.head_module, "use a module name such as 'lm_head'")
-        check_int(self.ignore_index, "chunk_loss_plan.ignore_index")
         _set(self, "z_loss_weight", check_float(self.z_loss_weight, "chunk_loss_plan.z_loss_weight", minimum=0.0))
         if self.logit_softcap is not None:
             _set(self, "logit_softcap",
                  check_float(self.logit_softcap, "chunk_loss_plan.logit_softcap", minimum=0.0, strict=True))
 
 
+@moved_fields({"head_module": "model_facts.head_module"})
 @dataclass(frozen=True)
 class QuantizeConfig(ConfigSection):
-    """MX block quantization for training, applied by converters picked by pattern.
-    ``head_module``: the output head's name where HF's ``get_output_embeddings()`` does not
-    find it (e.g. torchtitan's ``output``), so the default plan leaves it in high precision."""
+    """MX block quantization for training, applied by converters picked by pattern. The
+    default plan leaves the model facts' output head (``model_facts.head_module``) in high
+    precision."""
 
     _prefix: ClassVar[str] = "quantization_plan"
 
@@ -266,13 +244,10 @@ class QuantizeConfig(ConfigSection):
     ignored_modules: tuple[str, ...] = ()
     converters: tuple[str, ...] | None = None
     emax_elem: int | None = None
-    head_module: str | None = None
 
     def __post_init__(self) -> None:
         p = self._prefix
-        if self.head_module is not None and (not isinstance(self.head_module, str) or not self.head_module):
-            raise ConfigError(f"{p}.head_module", self.head_module, "name the output head module, e.g. 'output'")
-        _set(self, "quant_format", check_choice(self.quant_format, f"{p}.quant_format", QUANT_FORMATS, upper=True))
+        _set(self, "quant_format", check_published_choice(self.quant_format, f"{p}.quant_format", upper=True))
         check_int(self.block_size, f"{p}.block_size", minimum=1)
         _set(self, "scale_mode", check_choice(self.scale_mode, f"{p}.scale_mode", SCALE_MODES))
         _set(self, "apply_modules", check_optional_patterns(self.apply_modules, f"{p}.apply_modules"))
@@ -282,6 +257,7 @@ class QuantizeConfig(ConfigSection):
             check_int(self.emax_elem, f"{p}.emax_elem")
 
 
+@moved_fields({"swap_activation_force": "swap_force", "swap_optimizer_force": "swap_force"})
 @dataclass(frozen=True)
 class FSDPTurboConfig(ConfigSection):
     """The whole FSDPTurbo configuration, in the seed's flat field names.
@@ -296,8 +272,10 @@ class FSDPTurboConfig(ConfigSection):
         "cp_plan": CPPlanConfig,
         "chunk_loss_plan": ChunkLossPlanConfig,
         "quantization_plan": QuantizeConfig,
+        "model_facts": ModelFactsConfig,
     }
 
+    model_facts: ModelFactsConfig = field(default_factory=ModelFactsConfig)
     data_parallel_size: int = 1
     fully_shard_parallel_size: int = -1
     fsdp_plan: FSDPPlanConfig = field(default_factory=FSDPPlanConfig)
@@ -315,9 +293,8 @@ class FSDPTurboConfig(ConfigSection):
     chunk_loss_plan: ChunkLossPlanConfig = field(default_factory=ChunkLossPlanConfig)
     swap_activation: bool = False
     swap_activation_plan: tuple[str, ...] | None = None
-    swap_activation_force: bool = False
     swap_optimizer: bool = False
-    swap_optimizer_force: bool = False
+    swap_force: bool = False
     quantization_plan: QuantizeConfig | None = None
     compile: bool = False
     compile_plan: tuple[str, ...] | None = None
@@ -369,7 +346,7 @@ class FSDPTurboConfig(ConfigSection):
             _set(self, "recompute_policy", check_choice(policy, "recompute_policy", RECOMPUTE_POLICIES))
         else:
             _set(self, "recompute_policy", check_patterns(policy, "recompute_policy"))
-        for flag in ("chunk_loss", "swap_activation_force", "swap_optimizer", "swap_optimizer_force"):
+        for flag in ("chunk_loss", "swap_optimizer", "swap_force"):
             check_bool(getattr(self, flag), flag)
 
     # ----- world-size checks ---------------------------------------------------------

@@ -19,7 +19,7 @@ from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.logging import get_logger
-from fsdp_turbo.core.model_inspect import select_blocks
+from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, Stage, Transform
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
@@ -71,9 +71,9 @@ class CompileTransform(Transform):
     stage = Stage.COMPILE
 
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
-             upstream: Plans) -> CompilePlan:
+             upstream: Plans, facts: ModelFacts) -> CompilePlan:
         check_backend(config.compile_backend)
-        blocks = select_blocks(model, config.compile_plan, field="compile_plan")
+        blocks = facts.block_modules(model, config.compile_plan, field="compile_plan")
         for name, block in blocks.items():
             _check_not_compiled(name, block)
         return CompilePlan(tuple(blocks), config.compile_backend)

@@ -59,17 +59,18 @@ def requested_features(config: FSDPTurboConfig, state: ParallelState) -> list[Fe
 
 # The config fields that belong to one feature. When that feature is off, a field set to
 # anything but its default is ignored, and named in one rank-0 warning: a config shared
-# across sizes (TP on one job, off on another) still runs. (fsdp_plan is absent: setting it
-# turns FSDP on; quantization_plan is its feature's switch.)
+# across sizes (TP on one job, off on another) still runs. A field of several features
+# (swap_force) is ignored only when all of them are off. (fsdp_plan is absent: setting it
+# turns FSDP on; quantization_plan is its feature's switch; model_facts serve every feature.)
 FEATURE_FIELDS: dict[str, tuple[str, ...]] = {
     "tensor_parallel": ("tp_plan",),
     "expert_parallel": ("ep_plan", "expert_fully_shard_parallel_size"),
     "context_parallel": ("cp_plan",),
     "recompute": ("recompute_plan", "recompute_policy"),
     "chunk_loss": ("chunk_loss_plan",),
-    "swap_activation": ("swap_activation_plan", "swap_activation_force"),
+    "swap_activation": ("swap_activation_plan", "swap_force"),
     "compile": ("compile_plan", "compile_backend"),
-    "swap_optimizer": ("swap_optimizer_force",),
+    "swap_optimizer": ("swap_force",),
 }
 
 
@@ -78,5 +79,6 @@ def ignored_fields(config: FSDPTurboConfig, state: ParallelState) -> dict[str, s
     on = {feature.transform for feature in requested_features(config, state)}
     defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
                 for f in dataclasses.fields(config)}
+    used = {name for feature in on for name in FEATURE_FIELDS.get(feature, ())}
     return {name: feature for feature, names in FEATURE_FIELDS.items() if feature not in on
-            for name in names if getattr(config, name) != defaults[name]}
+            for name in names if name not in used and getattr(config, name) != defaults[name]}

@@ -11,7 +11,7 @@ sequence, under loss parallel they are vocab-sharded, under chunked loss they ar
 built. The features read and fill the pending :class:`LossRequest` while the model runs,
 and register what the loss needs afterwards (:func:`set_logits_loss`,
 :func:`add_loss_reducer`), so one call gives the same loss whatever is installed: the mean
-over every label of the whole batch that is not ``ignore_index``.
+over every label of the whole batch that is not the model facts' ``ignore_index``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch import nn
+
+from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.model_facts import IGNORE_INDEX
 
 LogitsLoss = Callable[..., torch.Tensor]  # (logits, labels, *, ignore_index, reduction) -> loss
 
@@ -71,13 +74,27 @@ def _logits(output: Any) -> torch.Tensor:
     return logits
 
 
-def lm_loss(model: nn.Module, labels: torch.Tensor, *args: Any, ignore_index: int = -100,
+def _ignore_index(model: nn.Module, given: int | None) -> int:
+    """The model facts' ``ignore_index`` (the default without FSDPTurbo). A different value
+    given here is an error: the chunked loss and context parallel's padding use the facts'
+    within the same step, and two values would count different labels."""
+    facts = getattr(model, "fsdp_turbo_facts", None)
+    known = facts.ignore_index if facts is not None else IGNORE_INDEX
+    if given is not None and given != known and facts is not None:
+        raise ConfigError("lm_loss(ignore_index=)", given, f"omit it, or set model_facts.ignore_index={given}",
+                          reason=f"the model's facts say ignore_index={known}")
+    return known if given is None else given
+
+
+def lm_loss(model: nn.Module, labels: torch.Tensor, *args: Any, ignore_index: int | None = None,
             **kwargs: Any) -> torch.Tensor:
     """Run ``model(*args, **kwargs)`` and return the cross-entropy of its logits against
     ``labels`` ``[B, S]`` (already aligned: no shift is applied), averaged over the labels
-    that are not ``ignore_index`` in the whole batch this rank was given."""
+    that are not ``ignore_index`` in the whole batch this rank was given. ``ignore_index``
+    defaults to the model facts' (``model_facts.ignore_index``)."""
     if labels.dim() != 2:
         raise ValueError(f"labels must be [batch, seq], not {tuple(labels.shape)}")
+    ignore_index = _ignore_index(model, ignore_index)
     request = LossRequest(labels, ignore_index, (labels != ignore_index).sum().clamp_min(1))
     setattr(model, _REQUEST, request)
     try:

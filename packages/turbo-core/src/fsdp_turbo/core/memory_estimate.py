@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from fsdp_turbo.core.model_inspect import model_config_value, repeated_blocks
+from fsdp_turbo.core.model_facts import ModelFacts
+from fsdp_turbo.core.model_inspect import model_config_value
 
 FP32 = 4
 
@@ -77,13 +78,13 @@ class MemoryModel:
     optimizer_on_device: bool = True
 
     @classmethod
-    def of(cls, model: nn.Module, tokens: int) -> MemoryModel:
+    def of(cls, model: nn.Module, tokens: int, facts: ModelFacts) -> MemoryModel:
         """The whole ``model`` on one rank, for micro-batches of ``tokens`` tokens."""
         hidden = model_config_value(model, "hidden_size") or 0
         top_k = model_config_value(model, "num_experts_per_tok")
         moe_width = model_config_value(model, "moe_intermediate_size")
         inter = top_k * moe_width if top_k and moe_width else model_config_value(model, "intermediate_size") or 0
-        layers = len(repeated_blocks(model)) or model_config_value(model, "num_hidden_layers") or 0
+        layers = len(facts.blocks) or model_config_value(model, "num_hidden_layers") or 0
         params = {name: ParamLayout(list(param.shape)) for name, param in model.named_parameters()}
         return cls(params, tokens, hidden, inter, layers, model_config_value(model, "vocab_size") or 0,
                    per_layer=16 * hidden + 3 * inter)

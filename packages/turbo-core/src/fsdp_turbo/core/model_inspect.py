@@ -1,44 +1,15 @@
-"""Model facts every feature needs, read from structure rather than class names."""
+"""Structural helpers several packages share: model config values, tied parameters,
+DTensor shards and the fused-experts recogniser. What the model *is* (its blocks, head,
+attention, inputs, experts) is resolved once, in ``core.model_facts``, not here."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-
-from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.core.patterns import match_modules
-
-
-def repeated_blocks(model: nn.Module) -> dict[str, nn.Module]:
-    """The model's repeated blocks (e.g. decoder layers), by qualified name, in order.
-
-    Hugging Face models name their block classes in ``_no_split_modules``; other
-    models fall back to the children of their largest ``nn.ModuleList`` or
-    ``nn.ModuleDict`` (torchtitan's ``layers``, keyed for pipeline stages) whose
-    entries share one class.
-    """
-    block_classes = set(getattr(model, "_no_split_modules", None) or ())
-    if block_classes:
-        named = {n: m for n, m in model.named_modules() if n and type(m).__name__ in block_classes}
-        outer = {n: m for n, m in named.items() if not any(n.startswith(p + ".") for p in named)}
-        if outer:
-            return outer
-    best: tuple[int, str, nn.Module] | None = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList | nn.ModuleDict) and len(module) and len(
-                {type(m) for m in module.children()}) == 1:
-            size = sum(p.numel() for p in module.parameters())
-            if best is None or size > best[0]:
-                best = (size, name, module)
-    if best is None:
-        return {}
-    _, prefix, blocks = best
-    return {f"{prefix}.{key}" if prefix else key: block for key, block in blocks.named_children()}
 
 
 def model_config_value(model: nn.Module, *names: str) -> Any:
@@ -51,13 +22,6 @@ def model_config_value(model: nn.Module, *names: str) -> Any:
     return None
 
 
-def attention_heads(model: nn.Module) -> tuple[int | None, int | None]:
-    """(query heads, key/value heads) as the model declares them, or ``None``."""
-    heads = model_config_value(model, "num_attention_heads", "n_head", "num_heads")
-    kv_heads = model_config_value(model, "num_key_value_heads", "n_kv_heads") or heads
-    return heads, kv_heads
-
-
 def tied_parameter_groups(model: nn.Module) -> list[tuple[tuple[str, str], ...]]:
     """The (module name, parameter name) places that share one parameter, for each parameter
     held in more than one place (tied embeddings), in model order."""
@@ -68,39 +32,6 @@ def tied_parameter_groups(model: nn.Module) -> list[tuple[tuple[str, str], ...]]
             if (module_name, param_name) not in places:
                 places.append((module_name, param_name))
     return [tuple(places) for places in owners.values() if len(places) > 1]
-
-
-def output_head(model: nn.Module, name: str | None = None, *, field: str = "head_module"
-                ) -> tuple[str, nn.Module] | None:
-    """(name, module) of the model's output head: the module called ``name`` when one is
-    given (a ``ConfigError`` on ``field`` if there is none; for models HF's API does not
-    describe, e.g. torchtitan's ``output``), else HF's ``get_output_embeddings()``, else
-    ``None``."""
-    if name is not None:
-        try:
-            return name, model.get_submodule(name)
-        except AttributeError:
-            raise ConfigError(field, name, "name the output head module, e.g. 'lm_head' or 'output'",
-                              reason="no such module") from None
-    getter = getattr(model, "get_output_embeddings", None)
-    head = getter() if callable(getter) else None
-    if head is None:
-        return None
-    name = next((n for n, m in model.named_modules() if m is head and n), None)
-    return (name, head) if name is not None else None
-
-
-def select_blocks(model: nn.Module, patterns: Sequence[str] | None, *, field: str) -> dict[str, nn.Module]:
-    """A plan's outermost matches, else the repeated blocks: the modules a per-block
-    feature (recompute, activation swap, compile) wraps. Raises ``ConfigError``; never
-    communicates."""
-    if patterns is not None:
-        return match_modules(model, patterns, field=field, outermost=True)
-    blocks = repeated_blocks(model)
-    if not blocks:
-        raise ConfigError(field, None, f"give {field}=['model.layers.*'] (or your block pattern)",
-                          reason="the model has no recognisable repeated blocks to default to")
-    return blocks
 
 
 # ----- DTensors ------------------------------------------------------------------------------

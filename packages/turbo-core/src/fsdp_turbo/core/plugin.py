@@ -1,7 +1,9 @@
 """The transform plugin interface and its registry.
 
 Every feature is a :class:`Transform` in two steps. ``plan`` resolves the config on the
-model into a :class:`FeaturePlan`, an immutable value, and communicates nothing.
+model into a :class:`FeaturePlan`, an immutable value, and communicates nothing. It reads
+what the model is from the :class:`~fsdp_turbo.core.model_facts.ModelFacts` it is given
+(resolved once, by the facade), never by inspecting the model for those facts itself.
 ``apply`` carries that plan out and resolves nothing again. The facade plans every
 enabled feature on every rank before any collective, then applies the plans in stage
 order; ``fsdp-turbo plan`` prints the same plans. Packages register their transforms
@@ -23,6 +25,7 @@ from fsdp_turbo.core.features import feature_named
 
 if TYPE_CHECKING:
     from fsdp_turbo.core.memory_estimate import MemoryModel
+    from fsdp_turbo.core.model_facts import ModelFacts
     from fsdp_turbo.core.parallel_state import ParallelState
     from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
@@ -108,7 +111,8 @@ class Transform(abc.ABC):
 
     ``plan`` must raise ``ConfigError`` for every bad input and must not communicate;
     ``apply`` may. Both see the same parallel state on every rank. ``requires`` names
-    the features whose plans ``plan`` receives (see :class:`Stage`).
+    the features whose plans ``plan`` receives (see :class:`Stage`); every ``plan`` also
+    receives the model facts.
     """
 
     name: str = ""
@@ -127,8 +131,9 @@ class Transform(abc.ABC):
 
     @abc.abstractmethod
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
-             upstream: Plans) -> FeaturePlan:
-        """Resolve the config on ``model``; ``upstream`` holds the plans named in ``requires``."""
+             upstream: Plans, facts: ModelFacts) -> FeaturePlan:
+        """Resolve the config on ``model``; ``upstream`` holds the plans named in ``requires``,
+        ``facts`` what the model is (its blocks, head, attention, inputs, experts, ...)."""
 
     @abc.abstractmethod
     def apply(self, model: nn.Module, plan: FeaturePlan, parallel_state: ParallelState) -> nn.Module:

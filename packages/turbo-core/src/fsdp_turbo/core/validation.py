@@ -5,6 +5,7 @@ job file are both built on it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import tomllib
 from collections.abc import Iterable
@@ -22,11 +23,13 @@ class ConfigSection:
 
     Unknown keys, and keys that are not strings, are a ConfigError naming ``<prefix>.<key>``
     and the known fields.
-    ``_nested`` maps a field to the section class its mapping value is built into.
+    ``_nested`` maps a field to the section class its mapping value is built into;
+    ``_moved`` maps a removed field to where it lives now (see :func:`moved_fields`).
     """
 
     _nested: ClassVar[dict[str, type[ConfigSection]]] = {}
     _prefix: ClassVar[str] = ""
+    _moved: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, *, prefix: str | None = None):
@@ -37,7 +40,7 @@ class ConfigSection:
             raise ConfigError(prefix or cls.__name__, data, "use a mapping of field names to values")
         known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         check_keys(data, prefix, f"use field names (text) as keys; known fields are {sorted(known)}")
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known - set(cls._moved))  # a moved field: the constructor names its place
         if unknown:
             where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
             raise ConfigError(where, data[unknown[0]], f"remove it; known fields are {sorted(known)}",
@@ -75,6 +78,29 @@ class ConfigSection:
         else:
             raise ConfigError("path", str(path), "use a .yaml, .yml or .toml file")
         return cls.from_dict(data)
+
+
+def moved_fields(moved: dict[str, str]):
+    """Class decorator, outside ``@dataclass``: each field of ``moved`` (old name -> where it
+    lives now) was removed, and giving it, to the constructor or in a mapping, is a
+    ``ConfigError`` that names its new place instead of an unknown-argument ``TypeError``."""
+
+    def wrap(cls):
+        cls._moved = dict(moved)
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):  # noqa: N807 - the dataclass's own __init__, wrapped
+            for old in sorted(kwargs.keys() & moved.keys()):
+                where = f"{cls._prefix}.{old}" if cls._prefix else old
+                raise ConfigError(where, kwargs[old], f"give it as {moved[old]}",
+                                  reason=f"{where} was removed; it is {moved[old]} now")
+            init(self, *args, **kwargs)
+
+        cls.__init__ = __init__
+        return cls
+
+    return wrap
 
 
 def check_bool(value: Any, field: str) -> bool:

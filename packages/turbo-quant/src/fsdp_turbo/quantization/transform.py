@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, SplitsParameters, Stage, Transform
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
@@ -58,10 +59,10 @@ class QuantizeTransform(Transform):
     requires = ("tensor_parallel",)
 
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
-             upstream: Plans) -> QuantizePlan:
+             upstream: Plans, facts: ModelFacts) -> QuantizePlan:
         settings, tp = config.quantization_plan, upstream["tensor_parallel"]
         unsuitable = tensor_parallel_unsuitable(model, tp, settings.block_size) if tp is not None else {}
-        conversions, skipped = plan_conversion(model, settings, unsuitable=unsuitable)
+        conversions, skipped = plan_conversion(model, settings, facts, unsuitable=unsuitable)
         return QuantizePlan(tuple(conversions), MXRecipe.from_config(settings), tuple(skipped))
 
     def apply(self, model: nn.Module, plan: QuantizePlan, parallel_state: ParallelState) -> nn.Module:

@@ -2,7 +2,7 @@
 batch each CP rank receives into that rank's sequence chunk.
 
 1. ``labels`` are shifted here (``shift_labels``), so no chunk needs its neighbour's token;
-2. the sequence is padded to a multiple of cp (label -100, so padding is not in the loss;
+2. the sequence is padded to a multiple of cp (label ``model_facts.ignore_index``, so padding is not in the loss;
    it sits at the end, so causal attention keeps real tokens from seeing it);
 3. input ids (or embeddings), shifted labels and absolute ``position_ids`` are cut to the
    rank's chunk; a 2-D padding ``attention_mask`` is kept whole for the attention wrapper,
@@ -11,7 +11,7 @@ batch each CP rank receives into that rank's sequence chunk.
 4. ``num_items_in_batch`` is the number of valid labels of the whole sequence, so each rank's
    loss is its share of the full-sequence mean (summed over CP in ``loss``).
 
-Models that are not HF's name their arguments (``cp_plan.token_input`` / ``position_input``:
+Models that are not HF's name their arguments (``model_facts.token_input`` / ``position_input``:
 torchtitan's ``tokens`` / ``positions``); positional calls are read by the forward's
 signature. A model that returns logits has its loss computed by ``core.lm_loss``, whose
 pending labels are cut here like the tokens.
@@ -28,10 +28,9 @@ import torch.nn.functional as F  # noqa: N812 - the torch idiom
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.lm_loss import LossRequest, pending_loss_request
+from fsdp_turbo.core.model_facts import IGNORE_INDEX
 from fsdp_turbo.distributed.context_parallel.context import CPState, ForwardContext
 from fsdp_turbo.distributed.context_parallel.ring_math import chunk_positions
-
-IGNORE_INDEX = -100
 
 
 def padded_length(seq_len: int, cp: int, multiple: int | None = None) -> int:
@@ -67,11 +66,13 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
 
 @dataclass(frozen=True)
 class InputNames:
-    """The forward arguments context parallel reads by name (``cp_plan.token_input`` /
-    ``position_input``): HF's by default, torchtitan's ``tokens`` / ``positions``."""
+    """What context parallel reads of a forward call, from the model facts: the arguments it
+    splits and gives positions by name (``model_facts.token_input`` / ``position_input``:
+    HF's by default, torchtitan's ``tokens`` / ``positions``), and the label its padding gets."""
 
     tokens: str = "input_ids"
     positions: str = "position_ids"
+    ignore_index: int = IGNORE_INDEX
 
 
 def _sequence(kwargs: dict[str, Any], names: InputNames) -> torch.Tensor:
@@ -79,9 +80,9 @@ def _sequence(kwargs: dict[str, Any], names: InputNames) -> torch.Tensor:
     if tokens is None and names.tokens == "input_ids":
         tokens = kwargs.get("inputs_embeds")
     if tokens is None or tokens.dim() < 2:
-        field = "input_ids" if names.tokens == "input_ids" else "cp_plan.token_input"
+        field = "input_ids" if names.tokens == "input_ids" else "model_facts.token_input"
         raise ConfigError(field, names.tokens, f"call the model with {names.tokens}=[batch, seq] (or set "
-                          "cp_plan.token_input to the argument that holds the tokens)",
+                          "model_facts.token_input to the argument that holds the tokens)",
                           reason="context parallel splits the sequence of that argument")
     return tokens
 
@@ -109,10 +110,10 @@ def split_inputs(state: CPState, kwargs: dict[str, Any], names: InputNames = Inp
     out[names.positions] = torch.cat([positions, tail], dim=1)[:, local] if extra else positions[:, local]
     labels, shifted = kwargs.get("labels"), kwargs.get("shift_labels")
     if labels is not None or shifted is not None:
-        shifted = shift_labels(labels) if shifted is None else shifted
-        shifted = _pad(shifted, extra, IGNORE_INDEX)
+        shifted = shift_labels(labels, names.ignore_index) if shifted is None else shifted
+        shifted = _pad(shifted, extra, names.ignore_index)
         if kwargs.get("num_items_in_batch") is None:
-            out["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum().clamp_min(1)  # all ignored: 0, not NaN
+            out["num_items_in_batch"] = (shifted != names.ignore_index).sum().clamp_min(1)  # all ignored: 0, not NaN
         out["shift_labels"] = shifted[:, local].contiguous()
         out["labels"] = out["shift_labels"]  # HF computes a loss only when labels are given
     if request is not None:  # already aligned; its divisor counts the whole sequence's labels
@@ -159,8 +160,8 @@ def _prove_the_wrapper_ran(state: CPState) -> None:
     # original when CP replaces ``x.f``: its attention would then see only the local chunk.
     calls = state.current.attention_calls if state.current is not None else 0
     if calls < state.attention_layers:
-        raise ConfigError("cp_plan.attention_function", "not wrapped",
-                          "point cp_plan.attention_function at the name the model calls (the module that "
+        raise ConfigError("model_facts.attention_function", "not wrapped",
+                          "point model_facts.attention_function at the name the model calls (the module that "
                           "imported it, e.g. 'my_model.layers.attention'), or use an HF attn_implementation",
                           reason=f"the Ulysses wrapper ran in {calls} of {state.attention_layers} attention layers, "
                                  "so attention would cover only this rank's chunk")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -10,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.core.patterns import match_modules
+from fsdp_turbo.core.model_facts import ModelFacts, import_attention_function
+from fsdp_turbo.core.parallel_state import ParallelSizes
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow
 from fsdp_turbo.distributed.context_parallel.inputs import InputNames
 from fsdp_turbo.fsdp_turbo_config import CPPlanConfig
@@ -77,19 +77,6 @@ class CPPlan(FeaturePlan):
         memory.tokens //= self.size  # each rank holds 1/cp of the sequence outside attention
 
 
-def _import_attention(path: str) -> Callable[..., Any]:
-    module_name, _, attr = path.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-        function = getattr(module, attr)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError("cp_plan.attention_function", path, "give an importable 'package.module.function'",
-                          reason=f"it does not import ({err})") from err
-    if not callable(function):
-        raise ConfigError("cp_plan.attention_function", path, "point it at a function", reason="not callable")
-    return function
-
-
 def _hf_sliding_layers(config: Any) -> bool:
     layer_types = getattr(config, "layer_types", None) or ()
     return any("sliding" in str(t) for t in layer_types)
@@ -109,18 +96,34 @@ def _check_ring_can_compute(config: Any, mode: str) -> None:
                           reason=f"ring attention does not soft-cap its logits (attn_logit_softcapping={softcap})")
 
 
-def resolve_cp_target(model: nn.Module, plan: CPPlanConfig | None) -> CPTarget:
-    """Raises ``ConfigError`` (the same on every rank); never communicates."""
-    if plan is not None and plan.attention_modules is not None:
-        found = match_modules(model, plan.attention_modules, field="cp_plan.attention_modules")
-        return CPTarget(module_names=tuple(found))
-    if plan is not None and plan.attention_function is not None:
-        return CPTarget(function_path=plan.attention_function, function=_import_attention(plan.attention_function))
+def check_head_split(facts: ModelFacts, sizes: ParallelSizes, plan: CPPlanConfig) -> None:
+    """The attention heads split over tensor parallel and over the Ulysses ranks of context
+    parallel (a ring keeps them all); their product must divide the query heads."""
+    ulysses, field = {"ulysses": (sizes.cp, "tensor_parallel_size*context_parallel_size"),
+                      "ring": (1, "tensor_parallel_size"),
+                      "hybrid": (plan.ulysses_size or 1, "tensor_parallel_size*cp_plan.ulysses_size")}[plan.mode]
+    heads, split = facts.num_attention_heads, sizes.tp * ulysses
+    if heads is not None and split > 1 and heads % split:
+        ring = ", or cp_plan.mode='ring'" if plan.mode != "ring" else ""
+        raise ConfigError(field, split, f"use sizes whose product divides num_attention_heads={heads}{ring}",
+                          reason=f"the model has {heads} attention heads ({facts.num_key_value_heads} key/value heads)")
+
+
+def resolve_cp_target(model: nn.Module, plan: CPPlanConfig | None, facts: ModelFacts) -> CPTarget:
+    """The core attention of the model facts, checked for what CP can wrap. Raises
+    ``ConfigError`` (the same on every rank); never communicates."""
+    attention = facts.attention
+    if attention.kind == "modules":
+        return CPTarget(module_names=attention.module_names)
+    if attention.kind == "function":
+        return CPTarget(function_path=attention.function_path,
+                        function=import_attention_function(attention.function_path))
     config = getattr(model, "config", None)
-    implementation = getattr(config, "_attn_implementation", None)
+    implementation = attention.hf_implementation
     if implementation is None:
-        raise ConfigError("cp_plan.attention_function", None,
-                          "give cp_plan=CPPlanConfig(attention_function='package.module.core_attention')",
+        raise ConfigError("model_facts.attention_function", None,
+                          "give model_facts.attention_function='package.module.core_attention' (or "
+                          "model_facts.attention_modules)",
                           reason=f"{type(model).__name__} has no recognisable attention (no HF attn_implementation)")
     mode = plan.mode if plan is not None else "ulysses"
     if implementation not in HF_IMPLEMENTATIONS:

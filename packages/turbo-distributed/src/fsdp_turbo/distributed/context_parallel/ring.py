@@ -290,7 +290,7 @@ def ring_hf_attention(state) -> Any:
 def ring_sdpa(state, *, count_calls: bool = True) -> Any:
     """The ring as a core attention of ``F.scaled_dot_product_attention``'s form,
     ``(q, k, v, *, scale=None, is_causal=True, enable_gqa=False) -> [B, H, S, D]``, for
-    non-HF models (``cp_plan.attention_function`` / ``attention_modules``). It stands in
+    non-HF models (``model_facts.attention_function`` / ``attention_modules``). It stands in
     for causal softmax attention and nothing else: a mask, dropout or ``is_causal=False``
     is refused, since the call it replaces is not run. ``count_calls``: False inside hybrid
     (the Ulysses wrapper around it counts)."""

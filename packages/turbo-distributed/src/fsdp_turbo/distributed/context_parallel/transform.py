@@ -13,13 +13,13 @@ from torch import nn
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.hf import register_attention_function
 from fsdp_turbo.core.logging import get_logger
-from fsdp_turbo.core.model_inspect import repeated_blocks
-from fsdp_turbo.core.parallel_state import ParallelState
+from fsdp_turbo.core.model_facts import ModelFacts
+from fsdp_turbo.core.parallel_state import ParallelSizes, ParallelState
 from fsdp_turbo.core.plugin import Plans, Stage, Transform
 from fsdp_turbo.distributed.context_parallel.context import CPState
 from fsdp_turbo.distributed.context_parallel.inputs import InputNames, install_input_splitter
 from fsdp_turbo.distributed.context_parallel.loss import install_loss_sum
-from fsdp_turbo.distributed.context_parallel.plan import CPPlan, CPTarget, resolve_cp_target
+from fsdp_turbo.distributed.context_parallel.plan import CPPlan, CPTarget, check_head_split, resolve_cp_target
 from fsdp_turbo.distributed.context_parallel.ring import ring_core, ring_hf_attention, ring_sdpa
 from fsdp_turbo.distributed.context_parallel.ulysses import ulysses_core_attention, ulysses_hf_attention
 from fsdp_turbo.fsdp_turbo_config import CPPlanConfig, FSDPTurboConfig
@@ -107,21 +107,23 @@ def apply_cp_plan(model: nn.Module, plan: CPPlan, cp_mesh, cp_groups: list[list[
     return state
 
 
-def plan_context_parallel(model: nn.Module, plan: CPPlanConfig | None, size: int) -> CPPlan:
-    """What CP over ``size`` ranks would wrap; raises ``ConfigError``, never communicates."""
-    plan = plan or CPPlanConfig()
+def plan_context_parallel(model: nn.Module, plan: CPPlanConfig | None, sizes: ParallelSizes,
+                          facts: ModelFacts) -> CPPlan:
+    """What CP over ``sizes.cp`` ranks would wrap; raises ``ConfigError``, never communicates."""
+    plan, size = plan or CPPlanConfig(), sizes.cp
     if plan.mode == "hybrid" and (size % plan.ulysses_size or plan.ulysses_size >= size):
         raise ConfigError("cp_plan.ulysses_size", plan.ulysses_size,
                           f"use a divisor of context_parallel_size={size} below it (2 .. {size // 2})",
                           reason="hybrid runs Ulysses over ulysses_size ranks inside a ring of the rest")
-    target = resolve_cp_target(model, plan)
+    check_head_split(facts, sizes, plan)
+    target = resolve_cp_target(model, plan, facts)
     # Named attention modules each run once a forward; otherwise every repeated block
     # (decoder layer) has one attention the wrapper must run in, a model without such
     # blocks at least one.
-    layers = target.layers or len(repeated_blocks(model)) or 1
+    layers = target.layers or len(facts.blocks) or 1
     return CPPlan(size, target, layers, mode=plan.mode, load_balance=plan.load_balance,
                   ulysses_size=plan.ulysses_size or 0,
-                  inputs=InputNames(plan.token_input, plan.position_input))
+                  inputs=InputNames(facts.token_input, facts.position_input, facts.ignore_index))
 
 
 def apply_context_parallel(model: nn.Module, plan: CPPlanConfig | None, cp_mesh) -> CPState:
@@ -145,8 +147,8 @@ class ContextParallelTransform(Transform):
     stage = Stage.CONTEXT_PARALLEL
 
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
-             upstream: Plans) -> CPPlan:
-        return plan_context_parallel(model, config.cp_plan, parallel_state.cp_size)
+             upstream: Plans, facts: ModelFacts) -> CPPlan:
+        return plan_context_parallel(model, config.cp_plan, parallel_state.sizes, facts)
 
     def apply(self, model: nn.Module, plan: CPPlan, parallel_state: ParallelState) -> nn.Module:
         groups = parallel_state.ranks_along("cp") if plan.mode == "hybrid" else None

@@ -109,7 +109,7 @@ def ulysses_core_attention(state: CPState, inner: Callable[..., torch.Tensor]) -
             if state.current.documents is not None:  # the caller's mask would be the chunk's, not the documents'
                 raise ConfigError("position_ids", "packed documents", "use an HF attn_implementation for packed "
                                   "sequences under context parallel, or one document per row",
-                                  reason="a cp_plan.attention_function gets no per-document mask")
+                                  reason="a model_facts.attention_function gets no per-document mask")
         cp, group = state.ulysses_size, state.ulysses_group
         if query.shape[1] % cp:  # a non-HF model's heads are first seen here, before any collective
             raise ConfigError("context_parallel_size" if state.mode == "ulysses" else "cp_plan.ulysses_size", cp,

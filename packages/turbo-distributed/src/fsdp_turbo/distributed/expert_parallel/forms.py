@@ -21,6 +21,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from fsdp_turbo.core.expert_forms import (
+    add_expert_form,
+    recognise_experts,
+    registered_expert_forms,
+    remove_expert_form,
+)
+
 Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``dispatch(hidden_states, top_k_index, top_k_weights) -> [rows, H]``: what the unsharded
 experts would return for these rows, summed over each row's ``k`` slots with their weights."""
@@ -65,41 +72,34 @@ class ExpertAdapter(abc.ABC):
         return dispatch(*args, **kwargs)
 
 
-_FORMS: list[type[ExpertAdapter]] = []
-
-
 def register_expert_form(cls: type[ExpertAdapter]) -> type[ExpertAdapter]:
-    """Add ``cls`` to the forms the planner tries (newest first); usable as a decorator.
-    Registering a class again moves it to the front."""
+    """Add ``cls`` to the forms the model facts and the planner try (newest first); usable
+    as a decorator. Registering a class again moves it to the front. The registry itself is
+    turbo-core's (``core.expert_forms``), so the model facts recognise experts through it."""
     if not (isinstance(cls, type) and issubclass(cls, ExpertAdapter)):
         raise TypeError(f"an expert form is an ExpertAdapter subclass, not {cls!r}")
     if getattr(cls, "__abstractmethods__", None):
         raise TypeError(f"{cls.__name__} leaves {sorted(cls.__abstractmethods__)} unimplemented")
     if not cls.form:
         raise TypeError(f"{cls.__name__} needs a `form` description (named in the error for unmatched modules)")
-    unregister_expert_form(cls)
-    _FORMS.insert(0, cls)
+    add_expert_form(cls)
     return cls
 
 
 def unregister_expert_form(cls: type[ExpertAdapter]) -> None:
     """Forget ``cls`` (a no-op if it is not registered)."""
-    if cls in _FORMS:
-        _FORMS.remove(cls)
+    remove_expert_form(cls)
 
 
 def expert_forms() -> Sequence[type[ExpertAdapter]]:
     """The registered forms, in the order they are tried."""
-    return tuple(_FORMS)
+    return registered_expert_forms()
 
 
 def expert_adapter(module: nn.Module) -> ExpertAdapter | None:
     """The adapter of the first registered form that recognises ``module``, or ``None``."""
-    for form in _FORMS:
-        adapter = form.detect(module)
-        if adapter is not None:
-            return adapter
-    return None
+    found = recognise_experts(module)
+    return None if found is None else found[1]
 
 
 def keep_expert_rows(module: nn.Module, names: Sequence[str], first: int, count: int, ep_mesh) -> None:

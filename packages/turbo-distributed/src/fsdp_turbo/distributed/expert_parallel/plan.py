@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.patterns import match_modules
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow
 from fsdp_turbo.distributed.expert_parallel.forms import ExpertAdapter, expert_adapter, expert_forms
@@ -43,11 +44,21 @@ class EPPlan(FeaturePlan):
                 layout.shape[0] //= self.ep
 
 
-def resolve_ep_plan(model: nn.Module, plan: EPPlanConfig, ep_size: int) -> EPPlan:
-    """The expert containers ``plan.apply_modules`` picks, each with the adapter of the first
-    registered expert form that recognises it. Raises ``ConfigError`` (the same on every
-    rank) and never communicates."""
-    matches = match_modules(model, plan.apply_modules, field="ep_plan.apply_modules", outermost=True)
+def _containers(model: nn.Module, plan: EPPlanConfig, facts: ModelFacts) -> dict[str, nn.Module]:
+    if plan.apply_modules is not None:
+        return match_modules(model, plan.apply_modules, field="ep_plan.apply_modules", outermost=True)
+    if not facts.experts:
+        raise ConfigError("model_facts.expert_modules", None, "name the expert containers, e.g. "
+                          "model_facts.expert_modules=['layers.*.moe.experts'] (or ep_plan.apply_modules)",
+                          reason="no module of the model matches a registered expert form")
+    return {expert.name: model.get_submodule(expert.name) for expert in facts.experts}
+
+
+def resolve_ep_plan(model: nn.Module, plan: EPPlanConfig, ep_size: int, facts: ModelFacts) -> EPPlan:
+    """The expert containers (``plan.apply_modules``' picks, else the model facts'), each with
+    the adapter of the first registered expert form that recognises it. Raises
+    ``ConfigError`` (the same on every rank) and never communicates."""
+    matches = _containers(model, plan, facts)
     containers: list[tuple[str, ExpertAdapter]] = []
     for name, module in matches.items():
         if is_expert_parallel(module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Plans, Stage, Transform
 from fsdp_turbo.distributed.expert_parallel.dispatchers import ExpertGroup
@@ -39,8 +40,8 @@ class ExpertParallelTransform(Transform):
     stage = Stage.EXPERT_PARALLEL
 
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
-             upstream: Plans) -> EPPlan:
-        return resolve_ep_plan(model, config.ep_plan, parallel_state.ep_size)
+             upstream: Plans, facts: ModelFacts) -> EPPlan:
+        return resolve_ep_plan(model, config.ep_plan, parallel_state.ep_size, facts)
 
     def apply(self, model: nn.Module, plan: EPPlan, parallel_state: ParallelState) -> nn.Module:
         converted = apply_ep_plan(model, plan, parallel_state.mesh("ep"))

@@ -10,6 +10,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from fsdp_turbo.core.device import has_streams
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, Stage, Transform
 from fsdp_turbo.distributed.expert_parallel.sharding import shard_experts
@@ -109,9 +110,9 @@ def _prefetch(units: tuple[str, ...], experts: tuple[str, ...], settings: FSDPPl
     return tuple(forward), tuple(backward)
 
 
-def plan_fully_shard(model: nn.Module, settings: FSDPPlanConfig, state: ParallelState, *,
+def plan_fully_shard(model: nn.Module, settings: FSDPPlanConfig, state: ParallelState, facts: ModelFacts, *,
                      experts: tuple[str, ...] = (), chunked_head: str | None = None) -> FSDPPlan:
-    selection = select_units(model, settings)
+    selection = select_units(model, settings, facts.blocks)
     units = tuple(selection.units)
     forward, backward = _prefetch(units, experts, settings, chunked_head)
     return FSDPPlan(settings, units, tuple(selection.ignored), experts, forward, backward,
@@ -130,9 +131,9 @@ class FullyShardTransform(Transform):
     requires = ("expert_parallel", "chunk_loss")
 
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
-             upstream: Plans) -> FSDPPlan:
+             upstream: Plans, facts: ModelFacts) -> FSDPPlan:
         experts, chunk_loss = upstream["expert_parallel"], upstream["chunk_loss"]
-        return plan_fully_shard(model, config.fsdp_plan, parallel_state,
+        return plan_fully_shard(model, config.fsdp_plan, parallel_state, facts,
                                 experts=experts.container_names if experts is not None else (),
                                 chunked_head=chunk_loss.head if chunk_loss is not None else None)
 

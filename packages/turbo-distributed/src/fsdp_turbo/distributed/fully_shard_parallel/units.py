@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.core.model_inspect import repeated_blocks
 from fsdp_turbo.core.patterns import match_modules
 from fsdp_turbo.fsdp_turbo_config import FSDPPlanConfig
 
@@ -31,12 +30,13 @@ def _inside(name: str, parent: str) -> bool:
     return name == parent or name.startswith(parent + ".")
 
 
-def select_units(model: nn.Module, plan: FSDPPlanConfig) -> ShardingUnits:
-    """Resolve the plan's patterns on ``model``; raises ConfigError, never communicates."""
+def select_units(model: nn.Module, plan: FSDPPlanConfig, blocks: tuple[str, ...]) -> ShardingUnits:
+    """Resolve the plan's patterns on ``model`` (no ``apply_modules``: the repeated ``blocks``);
+    raises ConfigError, never communicates."""
     if plan.apply_modules is not None:
         units = match_modules(model, plan.apply_modules, field="fsdp_plan.apply_modules", outermost=True)
     else:
-        units = repeated_blocks(model)
+        units = {name: model.get_submodule(name) for name in blocks}
     groups = _unit_groups(model, plan, units)
     if groups:
         order = {name: index for index, (name, _) in enumerate(model.named_modules())}

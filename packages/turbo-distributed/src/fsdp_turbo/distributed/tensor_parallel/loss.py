@@ -15,6 +15,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from fsdp_turbo.core.model_facts import IGNORE_INDEX
+
 
 class _ScopedLossParallel(torch.autograd.Function):
     @staticmethod
@@ -48,7 +50,7 @@ def scoped_loss_parallel(logits: DTensor, loss_fn: Callable[[DTensor], Any]) -> 
     return _ScopedLossParallel.apply(logits.to_local(), layout, loss_fn)
 
 
-def vocab_parallel_cross_entropy(logits: DTensor, labels: torch.Tensor, *, ignore_index: int = -100,
+def vocab_parallel_cross_entropy(logits: DTensor, labels: torch.Tensor, *, ignore_index: int = IGNORE_INDEX,
                                  reduction: str = "mean") -> torch.Tensor:
     """``F.cross_entropy`` on logits sharded on their last (vocab) dim, for non-HF models."""
 

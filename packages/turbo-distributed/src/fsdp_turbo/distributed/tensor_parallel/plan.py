@@ -15,7 +15,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.core.model_inspect import attention_heads, output_head, repeated_blocks, tied_parameter_groups
+from fsdp_turbo.core.model_facts import ModelFacts
+from fsdp_turbo.core.model_inspect import tied_parameter_groups
 from fsdp_turbo.core.patterns import check_disjoint, match_modules
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow
 from fsdp_turbo.distributed.tensor_parallel.styles import (
@@ -165,8 +166,12 @@ def _check_types_and_sizes(modules: dict[str, nn.Module], field_name: str, tp: i
                               reason=f"{what}={size} does not split into {tp} equal shards")
 
 
-def _check_heads(model: nn.Module, tp: int) -> None:
-    _, kv_heads = attention_heads(model)
+def _check_heads(facts: ModelFacts, tp: int) -> None:
+    heads, kv_heads = facts.num_attention_heads, facts.num_key_value_heads
+    if heads is not None and heads % tp:
+        raise ConfigError("tensor_parallel_size", tp, f"use a tensor_parallel_size that divides "
+                          f"num_attention_heads={heads}", reason=f"the model has {heads} attention heads "
+                          f"({kv_heads} key/value heads)")
     if kv_heads is not None and kv_heads % tp:
         # Replicating K/V heads across TP ranks is not supported: keep the shards even.
         raise ConfigError("tensor_parallel_size", tp, f"use a tensor_parallel_size that divides "
@@ -197,24 +202,25 @@ def _match(model: nn.Module, plan: TPPlanConfig, keep: Callable[[str, nn.Module]
                     sequence=pick(plan.sequence_parallel, "tp_plan.sequence_parallel", outermost=True))
 
 
-def _validate(model: nn.Module, matches: _Matches, tp: int) -> None:
+def _validate(matches: _Matches, tp: int, facts: ModelFacts) -> None:
     check_disjoint({"tp_plan.colwise_parallel": matches.colwise, "tp_plan.rowwise_parallel": matches.rowwise,
                     "tp_plan.sequence_parallel": matches.sequence})
     _check_types_and_sizes(matches.colwise, "tp_plan.colwise_parallel", tp, colwise=True)
     _check_types_and_sizes(matches.rowwise, "tp_plan.rowwise_parallel", tp, colwise=False)
-    _check_heads(model, tp)
+    _check_heads(facts, tp)
 
 
-def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int, exclude: Collection[str] = ()) -> TPPlan:
+def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int, facts: ModelFacts,
+                    exclude: Collection[str] = ()) -> TPPlan:
     """Validate ``plan`` on ``model`` and choose a style for every module TP touches.
 
     Modules in ``exclude`` (expert-parallel containers) and everything inside them are
     left to their own transform: patterns do not see them and no style is chosen."""
     keep = _outside(frozenset(exclude))
     matches = _match(model, plan, keep)
-    _validate(model, matches, tp)
-    loss_head = _loss_head(model, plan, matches.colwise)
-    styles = _choose_styles(model, plan, matches, loss_head, keep)
+    _validate(matches, tp, facts)
+    loss_head = _loss_head(plan, matches.colwise, facts)
+    styles = _choose_styles(model, plan, matches, loss_head, keep, facts)
     tied = _check_tied(model, styles)
     shard_dims = [dim for name, choice in styles.items() if choice.kind in SHARDED_KINDS
                   for dim in _shard_dims(name, model.get_submodule(name), choice.kind)]
@@ -222,10 +228,10 @@ def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int, exclude: Coll
 
 
 def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss_head: str | None,
-                   keep: Callable[[str, nn.Module], bool]) -> dict[str, StyleChoice]:
+                   keep: Callable[[str, nn.Module], bool], facts: ModelFacts) -> dict[str, StyleChoice]:
     colwise, rowwise, sequence = matches.colwise, matches.rowwise, matches.sequence
     sp = bool(sequence)
-    blocks = repeated_blocks(model)
+    blocks = {name: model.get_submodule(name) for name in facts.blocks}
     block_names = set(blocks)
     planned = set(colwise) | set(rowwise) | set(sequence)
 
@@ -238,7 +244,7 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
     head_local = [name for name, module in model.named_modules()
                   if name and keep(name, module) and name not in planned and _parent(name) in hook_parents
                   and _own_params(module) and not _children_own_params(module)]
-    head_name = _output_head(model, plan)
+    head_name = facts.head
     styles: dict[str, StyleChoice] = {}
     for name in hook_parents:
         styles[name] = StyleChoice(StyleKind.PREPARE_INPUT, sequence_sharded=sp)
@@ -257,7 +263,7 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
         styles[next(iter(blocks))] = StyleChoice(StyleKind.SCATTER_SEQUENCE)
         if head_name is None:
             raise ConfigError("tp_plan.sequence_parallel", list(plan.sequence_parallel),
-                              "name the output head in tp_plan.head_module (sequence parallel gathers before it)",
+                              "name the output head in model_facts.head_module (sequence parallel gathers before it)",
                               reason="the model has no get_output_embeddings() to find it by")
         if head_name not in colwise:
             styles[head_name] = StyleChoice(StyleKind.GATHER_REPLICATE)
@@ -279,20 +285,15 @@ def _colwise_choice(module: nn.Module, *, sequence_input: bool, vocab_shards: bo
                        gather_output=gather_output and not vocab_shards)
 
 
-def _loss_head(model: nn.Module, plan: TPPlanConfig, colwise: dict[str, nn.Module]) -> str | None:
+def _loss_head(plan: TPPlanConfig, colwise: dict[str, nn.Module], facts: ModelFacts) -> str | None:
     if not plan.loss_parallel:
         return None
-    head = _output_head(model, plan)
+    head = facts.head
     if head is None or head not in colwise:
         raise ConfigError("tp_plan.loss_parallel", True,
                           f"add the output head ({head or 'e.g. lm_head'!r}) to tp_plan.colwise_parallel",
                           reason="loss parallel needs the output head sharded on the vocabulary")
     return head
-
-
-def _output_head(model: nn.Module, plan: TPPlanConfig) -> str | None:
-    found = output_head(model, plan.head_module, field="tp_plan.head_module")
-    return found[0] if found else None
 
 
 def _check_sequence_region(model: nn.Module, plan: TPPlanConfig, blocks: dict, styled: set[str]) -> None:

@@ -10,6 +10,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.lm_loss import set_logits_loss
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Plans, Stage, Transform
 from fsdp_turbo.distributed.tensor_parallel.loss import LossParallelLossFunction, vocab_parallel_cross_entropy
@@ -61,9 +62,9 @@ class TensorParallelTransform(Transform):
     requires = ("expert_parallel",)
 
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
-             upstream: Plans) -> TPPlan:
+             upstream: Plans, facts: ModelFacts) -> TPPlan:
         experts = upstream["expert_parallel"]
-        plan = resolve_tp_plan(model, config.tp_plan, parallel_state.tp_size,
+        plan = resolve_tp_plan(model, config.tp_plan, parallel_state.tp_size, facts,
                                exclude=experts.container_names if experts is not None else ())
         if experts is not None:
             _check_expert_parallel_has_sequence_parallel(config, plan)

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fsdp_turbo.core.model_facts import IGNORE_INDEX
+
 
 @dataclass(frozen=True)
 class ChunkOptions:
     chunk_size: int = 1024
-    ignore_index: int = -100
+    ignore_index: int = IGNORE_INDEX
     z_loss_weight: float = 0.0
     logit_softcap: float | None = None
     # Vocab parallel: this rank holds rows [vocab_start, vocab_start + weight.shape[0]).
@@ -189,7 +191,7 @@ def chunked_cross_entropy(
     *,
     chunk_size: int = 1024,
     bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
     num_items: int | float | torch.Tensor | None = None,
     z_loss_weight: float = 0.0,

@@ -22,7 +22,7 @@ from torch import nn
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.lm_loss import pending_loss_request
 from fsdp_turbo.core.logging import get_logger, warn_once
-from fsdp_turbo.core.model_inspect import output_head
+from fsdp_turbo.core.model_facts import IGNORE_INDEX, ModelFacts, resolve_model_facts
 from fsdp_turbo.memory.chunk_loss.function import chunked_cross_entropy
 from fsdp_turbo.memory.chunk_loss.vocab_shard import empty_logits, local_head, local_hidden
 
@@ -33,7 +33,7 @@ _log = get_logger(__name__)
 @dataclass(frozen=True)
 class ChunkLossSettings:
     chunk_size: int = 1024
-    ignore_index: int = -100
+    ignore_index: int = IGNORE_INDEX
     z_loss_weight: float = 0.0
     logit_softcap: float | None = None
     hf: bool = True  # an HF causal LM (labels in forward); else the loss comes through core.lm_loss
@@ -46,19 +46,18 @@ class _Request:
     num_items: Any
 
 
-def resolve_head(model: nn.Module, head_module: str | None, *, field: str = "chunk_loss_plan.head_module"
-                 ) -> tuple[str, nn.Module]:
-    """The output head by name, else the model's output embedding. Raises ConfigError."""
-    found = output_head(model, head_module, field=field)
-    if found is None:
-        raise ConfigError(field, None, "set chunk_loss_plan.head_module='lm_head' (your output head)",
+def resolve_head(model: nn.Module, facts: ModelFacts) -> tuple[str, nn.Module]:
+    """The model facts' output head, which must be Linear-like. Raises ConfigError."""
+    field = "model_facts.head_module"
+    if facts.head is None:
+        raise ConfigError(field, None, "set model_facts.head_module='lm_head' (your output head)",
                           reason="the model has no output embedding to default to")
-    name, head = found
+    head = model.get_submodule(facts.head)
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ConfigError(field, head_module or type(head).__name__, "point it at a Linear-like head",
-                          reason="the head has no 2-D [vocab, hidden] weight")
-    return name, head
+        raise ConfigError(field, facts.head, "point it at a Linear-like head",
+                          reason=f"the head ({type(head).__name__}) has no 2-D [vocab, hidden] weight")
+    return facts.head, head
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
@@ -184,15 +183,16 @@ class ChunkedLossHandle:
             self.model.loss_function = self._inner_loss
 
 
-def plan_chunked_loss(model: nn.Module, *, head_module: str | None = None, chunk_size: int = 1024,
-                      ignore_index: int = -100, z_loss_weight: float = 0.0,
+def plan_chunked_loss(model: nn.Module, facts: ModelFacts, *, chunk_size: int = 1024, z_loss_weight: float = 0.0,
                       logit_softcap: float | None = None) -> tuple[str, ChunkLossSettings]:
     """The head's name and the settings ``install_chunked_loss`` would use. Raises ConfigError.
 
-    ``logit_softcap`` defaults to the model's ``final_logit_softcapping`` (Gemma), which
-    the model would otherwise apply to the logits it no longer builds.
+    The head and the ignored label are the model facts'. ``logit_softcap`` defaults to the
+    model's ``final_logit_softcapping`` (Gemma), which the model would otherwise apply to
+    the logits it no longer builds.
     """
-    name, head = resolve_head(model, head_module)
+    name, head = resolve_head(model, facts)
+    ignore_index = facts.ignore_index
     if hasattr(head, HANDLE_ATTR):
         raise ConfigError("chunk_loss", True, "install chunked loss once", reason="the head already has it")
     if logit_softcap is None:
@@ -200,9 +200,11 @@ def plan_chunked_loss(model: nn.Module, *, head_module: str | None = None, chunk
     return name, ChunkLossSettings(chunk_size, ignore_index, z_loss_weight, logit_softcap, is_hf_causal_lm(model))
 
 
-def install_chunked_loss(model: nn.Module, **options: Any) -> ChunkedLossHandle:
+def install_chunked_loss(model: nn.Module, facts: ModelFacts | None = None, **options: Any) -> ChunkedLossHandle:
     """Make ``model(..., labels=...)`` compute its loss chunk by chunk (HF causal LMs), or,
-    for a model that returns logits, ``core.lm_loss(model, labels, ...)``.
+    for a model that returns logits, ``core.lm_loss(model, labels, ...)``. Without the
+    facade, ``facts`` default to what the model says of itself (give
+    ``resolve_model_facts(model, ModelFactsConfig(head_module=...))`` for other models);
     ``options`` are :func:`plan_chunked_loss`'s."""
-    head, settings = plan_chunked_loss(model, **options)
+    head, settings = plan_chunked_loss(model, facts if facts is not None else resolve_model_facts(model), **options)
     return ChunkedLossHandle(model, model.get_submodule(head), settings)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, Stage, Transform
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
@@ -38,10 +39,9 @@ class ChunkLossTransform(Transform):
     stage = Stage.CHUNK_LOSS
 
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
-             upstream: Plans) -> ChunkLossPlan:
+             upstream: Plans, facts: ModelFacts) -> ChunkLossPlan:
         plan = config.chunk_loss_plan
-        head, settings = plan_chunked_loss(model, head_module=plan.head_module, chunk_size=plan.chunk_size,
-                                           ignore_index=plan.ignore_index, z_loss_weight=plan.z_loss_weight,
+        head, settings = plan_chunked_loss(model, facts, chunk_size=plan.chunk_size, z_loss_weight=plan.z_loss_weight,
                                            logit_softcap=plan.logit_softcap)
         return ChunkLossPlan(head, settings)
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from fsdp_turbo.core.logging import get_logger
-from fsdp_turbo.core.model_inspect import select_blocks
+from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, Stage, Transform
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
@@ -42,8 +42,8 @@ class RecomputeTransform(Transform):
     stage = Stage.RECOMPUTE
 
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
-             upstream: Plans) -> RecomputePlan:
-        blocks = select_blocks(model, config.recompute_plan, field="recompute_plan")
+             upstream: Plans, facts: ModelFacts) -> RecomputePlan:
+        blocks = facts.block_modules(model, config.recompute_plan, field="recompute_plan")
         for name, block in blocks.items():
             check_not_recomputed(name, block)
         return RecomputePlan(tuple(blocks), config.recompute_policy, save_ops_for(config.recompute_policy))

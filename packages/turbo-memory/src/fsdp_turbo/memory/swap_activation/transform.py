@@ -9,7 +9,7 @@ from torch import nn
 
 from fsdp_turbo.core.device import has_streams
 from fsdp_turbo.core.logging import get_logger
-from fsdp_turbo.core.model_inspect import select_blocks
+from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, Stage, Transform
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
@@ -31,7 +31,7 @@ class SwapActivationPlan(FeaturePlan):
     # and all), or under torch's composable checkpoint (its hooks own their tensors).
     skipped: tuple[tuple[str, str], ...]
     recomputed: tuple[str, ...]  # swapped blocks that are also recomputed: their checkpoint inputs move
-    active: bool  # False: no streams on this device and no swap_activation_force, so a no-op
+    active: bool  # False: no streams on this device and no swap_force, so a no-op
     force: bool
 
     def describe(self) -> tuple[PlanRow, ...]:
@@ -74,21 +74,21 @@ class SwapActivationTransform(Transform):
     requires = ("recompute",)
 
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
-             upstream: Plans) -> SwapActivationPlan:
-        blocks = select_blocks(model, config.swap_activation_plan, field="swap_activation_plan")
+             upstream: Plans, facts: ModelFacts) -> SwapActivationPlan:
+        blocks = facts.block_modules(model, config.swap_activation_plan, field="swap_activation_plan")
         recompute = upstream["recompute"]
         checkpointed = set(recompute.blocks) if recompute is not None else set()
         skipped = tuple((name, why) for name in blocks if (why := _why_skipped(model, name, checkpointed)))
         kept = tuple(name for name in blocks if name not in dict(skipped))
         stacked = tuple(name for name in kept if name in checkpointed or is_recomputed(model.get_submodule(name)))
-        active = has_streams(parallel_state.device_type) or config.swap_activation_force
-        return SwapActivationPlan(kept, skipped, stacked, active, config.swap_activation_force)
+        active = has_streams(parallel_state.device_type) or config.swap_force
+        return SwapActivationPlan(kept, skipped, stacked, active, config.swap_force)
 
     def apply(self, model: nn.Module, plan: SwapActivationPlan, parallel_state: ParallelState) -> nn.Module:
         device_type = parallel_state.device_type
         if not plan.active:
             _log.warning(f"swap_activation skipped: {device_type!r} has no streams to overlap the copies with, "
-                         "and its host is its device; set swap_activation_force=True to run it anyway")
+                         "and its host is its device; set swap_force=True to run it anyway")
             return model
         if plan.skipped:
             _log.warning("swap_activation: skipping " + "; ".join(f"{name} ({why})" for name, why in plan.skipped))

@@ -135,7 +135,7 @@ class OptimizerStateSwapper:
         self._state: SwapStateMap | None = None
         if not self.enabled:
             _log.info(f"optimizer-state swap is off: device {device_type!r} has no streams "
-                      "(force it with force=True / swap_optimizer_force=True)")
+                      "(force it with force=True / swap_force=True)")
             return
         self._streams = _Streams(device_type)
         self._wrap_state(optimizer)

@@ -24,6 +24,7 @@ from fsdp_turbo.memory.swap_optimizer.swapper import SWAPPER_ATTR, OptimizerStat
 
 if TYPE_CHECKING:
     from fsdp_turbo.core.memory_estimate import MemoryModel
+    from fsdp_turbo.core.model_facts import ModelFacts
     from fsdp_turbo.core.parallel_state import ParallelState
     from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
@@ -76,7 +77,7 @@ class ModelOptimizerSwap:
 
 @dataclass(frozen=True)
 class SwapOptimizerPlan(FeaturePlan):
-    active: bool  # False: no streams on this device and no swap_optimizer_force, so a no-op
+    active: bool  # False: no streams on this device and no swap_force, so a no-op
     force: bool
 
     def estimate(self, memory: MemoryModel) -> None:
@@ -90,16 +91,16 @@ class SwapOptimizerTransform(Transform):
     stage = Stage.OPTIMIZER_HOOKS
 
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
-             upstream: Plans) -> SwapOptimizerPlan:
+             upstream: Plans, facts: ModelFacts) -> SwapOptimizerPlan:
         # Any optimizer and any model work: nothing to check.
-        active = has_streams(parallel_state.device_type) or config.swap_optimizer_force
-        return SwapOptimizerPlan(active, config.swap_optimizer_force)
+        active = has_streams(parallel_state.device_type) or config.swap_force
+        return SwapOptimizerPlan(active, config.swap_force)
 
     def apply(self, model: nn.Module, plan: SwapOptimizerPlan, parallel_state: ParallelState) -> nn.Module:
         device_type = parallel_state.device_type
         if not plan.active:
             _log.warning(f"swap_optimizer skipped: {device_type!r} has no streams to overlap the copies with, "
-                         "and its host is its device; set swap_optimizer_force=True to swap anyway")
+                         "and its host is its device; set swap_force=True to swap anyway")
             return model
         previous = getattr(model, HANDLE_ATTR, None)
         if previous is not None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.core.model_inspect import output_head
+from fsdp_turbo.core.model_facts import ModelFacts, resolve_model_facts
 from fsdp_turbo.core.patterns import match_modules
 from fsdp_turbo.quantization.converter.registry import Converter, converter_names, get_converter
 from fsdp_turbo.quantization.training.recipe import MXRecipe
@@ -37,13 +37,11 @@ def _converters(names: tuple[str, ...] | None) -> list[Converter]:
     return chosen
 
 
-def _default_exclusions(model: nn.Module, head_module: str | None) -> dict[str, str]:
-    """Modules left high precision unless asked for: the output head (``head_module``, else
-    HF's ``get_output_embeddings()``) and MoE routers."""
+def _default_exclusions(model: nn.Module, facts: ModelFacts) -> dict[str, str]:
+    """Modules left high precision unless asked for: the model facts' output head and MoE routers."""
     excluded: dict[str, str] = {}
-    head = output_head(model, head_module, field=f"{FIELD}.head_module")
-    if head is not None:
-        excluded[head[0]] = "it is the output head (its error lands directly on the loss)"
+    if facts.head is not None:
+        excluded[facts.head] = "it is the output head (its error lands directly on the loss)"
     for name, _ in model.named_modules():
         parent_name, _, leaf = name.rpartition(".")
         if leaf in ("gate", "router") and hasattr(model.get_submodule(parent_name), "experts"):
@@ -51,12 +49,12 @@ def _default_exclusions(model: nn.Module, head_module: str | None) -> dict[str, 
     return excluded
 
 
-def plan_conversion(model: nn.Module, plan, *, unsuitable: Mapping[str, str] | None = None
+def plan_conversion(model: nn.Module, plan, facts: ModelFacts, *, unsuitable: Mapping[str, str] | None = None
                     ) -> tuple[list[Conversion], list[tuple[str, str]]]:
     """Resolve ``plan`` (a ``QuantizeConfig``) on ``model``.
 
     Default (no ``apply_modules``): every module a converter handles, except the output head
-    (``head_module`` names it where HF's API does not), routers, ``ignored_modules`` and
+    (the model facts', ``model_facts.head_module`` where HF's API does not name it), routers, ``ignored_modules`` and
     modules whose dims do not divide the block (skipped).
     With ``apply_modules``: the convertible modules at or under each match; a head, a router
     or an unsupported module among them is a ConfigError (exclude it with ``ignored_modules``).
@@ -71,7 +69,7 @@ def plan_conversion(model: nn.Module, plan, *, unsuitable: Mapping[str, str] | N
                if plan.ignored_modules else [])
     picked = (list(match_modules(model, plan.apply_modules, field=f"{FIELD}.apply_modules"))
               if plan.apply_modules is not None else None)
-    excluded = {**_default_exclusions(model, plan.head_module), **(unsuitable or {})}
+    excluded = {**_default_exclusions(model, facts), **(unsuitable or {})}
     conversions, skipped = [], []
     for name, module in model.named_modules():
         converter = next((c for c in converters if c.handles(module)), None)
@@ -106,7 +104,10 @@ def apply_conversions(model: nn.Module, conversions: list[Conversion] | tuple[Co
     return {c.name: c.converter for c in conversions}
 
 
-def convert_model(model: nn.Module, plan, *, unsuitable: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Convert in place what ``plan`` (a ``QuantizeConfig``) picks; returns ``{module name: converter name}``."""
-    conversions, _ = plan_conversion(model, plan, unsuitable=unsuitable)
+def convert_model(model: nn.Module, plan, facts: ModelFacts | None = None, *,
+                  unsuitable: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Convert in place what ``plan`` (a ``QuantizeConfig``) picks; returns ``{module name: converter name}``.
+    Without the facade, ``facts`` default to what the model says of itself."""
+    facts = facts if facts is not None else resolve_model_facts(model)
+    conversions, _ = plan_conversion(model, plan, facts, unsuitable=unsuitable)
     return apply_conversions(model, conversions, MXRecipe.from_config(plan))
