@@ -2,12 +2,22 @@
 
 Every field is validated when the object is built; the objects are read-only
 afterwards. World-size checks run in ``FSDPTurboConfig.validate(world_size)``,
-before any collective. Configs load from a dict, a YAML file or a TOML file.
+before any collective. Configs load from a dict, a YAML file or a TOML file. Every field
+has a docstring where it is defined; ``docs/config.md`` is generated from them
+(``tools/gen_config_docs.py``).
 
-What each ``*_plan`` field is, and what turns its feature on (the one rule for the
-latter lives in ``core.features.FEATURES``). A plan whose feature is off is ignored and
-named in one warning on rank 0 (``core.features.FEATURE_FIELDS``), so one config serves
-jobs of several sizes:
+One rule for each kind of field:
+
+* **A parallel size turns its feature on** (``tensor_parallel_size=2``); its plan says how.
+* **A boolean plus an optional plan turns a memory feature on** (``recompute=True``, with
+  ``recompute_plan`` or, unset, the model's repeated blocks).
+* **A plan object turns quantization on** (``quantization_plan``).
+* **What the model is lives in one section, ``model_facts``**: no feature section holds a
+  model fact (its head, blocks, attention, inputs, experts, ``ignore_index``, head counts).
+
+A plan whose feature is off is ignored and named in one warning on rank 0
+(``core.features.FEATURE_FIELDS``), so one config serves jobs of several sizes; the one
+table that decides whether a feature is on is ``core.features.FEATURES``:
 
 =====================  =======================  ============================================
 field                  holds                    its feature is on when
@@ -95,17 +105,54 @@ class FSDPPlanConfig(ConfigSection):
     _prefix: ClassVar[str] = "fsdp_plan"
 
     apply_modules: tuple[str, ...] | None = None
+    """Patterns of the FSDP units (outermost matches), e.g. ``["model.layers.*"]``. Unset: the model
+    facts' repeated blocks. The root is always a unit too, wrapped last."""
+
     ignored_modules: tuple[str, ...] = ()
+    """Patterns of modules FSDP leaves alone: their parameters stay whole on every rank and are
+    not all-gathered or reduce-scattered."""
+
     param_dtype: torch.dtype | str | None = None
+    """The dtype FSDP all-gathers parameters in and computes with (mixed precision), e.g.
+    ``"bfloat16"``; the sharded master parameters stay in their own dtype. Unset: no cast."""
+
     reduce_dtype: torch.dtype | str | None = None
+    """The dtype gradients are reduce-scattered in, e.g. ``"float32"`` beside a bf16
+    ``param_dtype``. Unset: ``param_dtype``."""
+
     output_dtype: torch.dtype | str | None = None
+    """The dtype each unit's forward outputs are cast to (FSDP2's ``MixedPrecisionPolicy.output_dtype``).
+    Unset: no cast."""
+
     cast_forward_inputs: bool = True
+    """Whether each unit casts its floating-point forward inputs to ``param_dtype`` (FSDP2's
+    ``cast_forward_inputs``)."""
+
     reshard_after_forward: bool | int | None = None
+    """``True`` frees each unit's gathered parameters after its forward (gathered again in
+    backward), ``False`` keeps them until backward, an int N reshards to groups of N ranks (often
+    the ranks of one node). Unset: FSDP2's default (units reshard, the root does not)."""
+
     keep_after_forward: tuple[str, ...] = ()
+    """Patterns of units (among those picked) that keep their parameters gathered from forward to
+    backward, as the root does: for the output head as its own unit, so its gradients
+    reduce-scatter as soon as its backward ends."""
+
     unit_groups: tuple[tuple[str, ...], ...] = ()
+    """Lists of patterns, each list one FSDP unit of several modules (one all-gather and one
+    reduce-scatter for all), e.g. ``[["norm", "output"]]``. The group takes the place of its first
+    module in model order."""
+
     num_to_forward_prefetch: int = 0
+    """How many units ahead forward all-gathers explicitly (0: FSDP2's implicit prefetch)."""
+
     num_to_backward_prefetch: int = 0
+    """How many units ahead backward all-gathers explicitly (0: FSDP2's implicit prefetch)."""
+
     cpu_offload: bool = False
+    """Whether sharded parameters, gradients and the optimizer step live on the host (FSDP2's
+    ``CPUOffloadPolicy``)."""
+
 
     def __post_init__(self) -> None:
         p = self._prefix
@@ -139,9 +186,21 @@ class TPPlanConfig(ConfigSection):
     _prefix: ClassVar[str] = "tp_plan"
 
     colwise_parallel: tuple[str, ...] = ()
+    """Patterns of the Linear (or Embedding) modules split on their output features, e.g.
+    ``["*.q_proj", "*.k_proj", "*.v_proj", "*.up_proj"]``."""
+
     rowwise_parallel: tuple[str, ...] = ()
+    """Patterns of the Linear (or Embedding) modules split on their input features, e.g.
+    ``["*.o_proj", "*.down_proj"]``."""
+
     sequence_parallel: tuple[str, ...] = ()
+    """Patterns of the modules between the tensor-parallel regions (the norms) that run on a
+    sequence shard (sequence parallel); every norm of the blocks must be listed. Empty: off."""
+
     loss_parallel: bool = False
+    """Whether the output head (which must be in ``colwise_parallel``) keeps its logits sharded
+    on the vocabulary and the loss is computed on the shards (loss parallel)."""
+
 
     def __post_init__(self) -> None:
         for name in ("colwise_parallel", "rowwise_parallel", "sequence_parallel"):
@@ -164,8 +223,18 @@ class EPPlanConfig(ConfigSection):
     _prefix: ClassVar[str] = "ep_plan"
 
     apply_modules: tuple[str, ...] | None = None
+    """Patterns of the expert containers to shard, e.g. ``["*mlp.experts"]``. Unset: every expert
+    container of the model facts."""
+
     dispatcher: str = "fused"
+    """How tokens reach their experts: ``"eager"`` (a loop over local experts), ``"fused"`` (one
+    permute and grouped GEMMs) or ``"mc2"`` (fused over token chunks, communication overlapped
+    with compute). The list is expert parallel's own (``fsdp_turbo.choices``)."""
+
     num_chunks: int = 2
+    """Token chunks of the ``mc2`` dispatcher: chunk i+1's all-to-all is in flight while chunk i
+    computes. More chunks overlap more, each with smaller GEMMs."""
+
 
     def __post_init__(self) -> None:
         _set(self, "apply_modules", check_optional_patterns(self.apply_modules, "ep_plan.apply_modules"))
@@ -191,8 +260,18 @@ class CPPlanConfig(ConfigSection):
     _prefix: ClassVar[str] = "cp_plan"
 
     mode: str = "ulysses"
+    """``"ulysses"`` (all-to-all to head shards; the heads must split over ``context_parallel_size``),
+    ``"ring"`` (key/value chunks travel around the ranks; any head count) or ``"hybrid"``
+    (Ulysses over ``ulysses_size`` ranks inside a ring of the rest)."""
+
     ulysses_size: int | None = None
+    """The Ulysses ranks inside each ring member; with mode ``"hybrid"`` only, a divisor of
+    ``context_parallel_size`` of at least 2."""
+
     load_balance: bool = True
+    """Whether ring and hybrid cut the sequence in zig-zag chunks, so every rank does the same
+    causal work."""
+
 
     def __post_init__(self) -> None:
         _set(self, "mode", check_choice(self.mode, "cp_plan.mode", ("ulysses", "ring", "hybrid")))
@@ -217,8 +296,17 @@ class ChunkLossPlanConfig(ConfigSection):
     _prefix: ClassVar[str] = "chunk_loss_plan"
 
     chunk_size: int = 1024
+    """Tokens per chunk: the logits of this many tokens exist at a time instead of all
+    ``[tokens, vocab]``."""
+
     z_loss_weight: float = 0.0
+    """Weight of the z-loss (``logsumexp(logits)^2``, PaLM's), added to the cross-entropy;
+    0 turns it off."""
+
     logit_softcap: float | None = None
+    """Soft-cap the logits as ``cap * tanh(logits / cap)`` before the loss (Gemma's
+    ``final_logit_softcapping``). Unset: the model config's ``final_logit_softcapping``, if any."""
+
 
     def __post_init__(self) -> None:
         check_int(self.chunk_size, "chunk_loss_plan.chunk_size", minimum=1)
@@ -238,12 +326,32 @@ class QuantizeConfig(ConfigSection):
     _prefix: ClassVar[str] = "quantization_plan"
 
     quant_format: str = "E4M3"
+    """The MX element format: ``"E4M3"``, ``"E5M2"`` or ``"HIF8"`` (case-insensitive). The list is
+    turbo-quant's format table (``fsdp_turbo.choices``)."""
+
     block_size: int = 32
+    """Elements that share one power-of-two (E8M0) scale, along the reduction dimension."""
+
     scale_mode: str = "floor"
+    """How a block's scale is rounded: ``"floor"`` (OCP MX: may clip the block max) or
+    ``"rceil"`` (round up: never clips)."""
+
     apply_modules: tuple[str, ...] | None = None
+    """Patterns of the modules to convert (each with the modules under it). Unset: every module
+    a converter handles, except the output head, MoE routers and modules whose dims do not
+    divide ``block_size``."""
+
     ignored_modules: tuple[str, ...] = ()
+    """Patterns of modules left in high precision."""
+
     converters: tuple[str, ...] | None = None
+    """The converters to use, by registered name (``"mx_linear"``, ``"mx_experts"``, ...). Unset: all
+    registered converters."""
+
     emax_elem: int | None = None
+    """The element format's largest exponent the block scale aims the block max at, in
+    ``[0, max_exponent]``. Unset: the format's own (HIF8 gradients: 7)."""
+
 
     def __post_init__(self) -> None:
         p = self._prefix
@@ -276,30 +384,99 @@ class FSDPTurboConfig(ConfigSection):
     }
 
     model_facts: ModelFactsConfig = field(default_factory=ModelFactsConfig)
+    """What the model is: its repeated blocks, output head, embedding, core attention, input
+    names, expert containers, ``ignore_index`` and head counts. Hugging Face models need none of
+    it; see ``ModelFactsConfig``."""
+
     data_parallel_size: int = 1
+    """Replicas of the model (HSDP's replicate dimension): gradients are all-reduced across them.
+    A parallel size turns its feature on; 1 is off."""
+
     fully_shard_parallel_size: int = -1
+    """Ranks each replica's parameters, gradients and optimizer states are sharded over
+    (FSDP2). ``-1`` takes every rank the other sizes leave."""
+
     fsdp_plan: FSDPPlanConfig = field(default_factory=FSDPPlanConfig)
+    """How FSDP2 wraps the model: units, mixed precision, offload, prefetch. FSDP is on whenever
+    the job is launched; setting a plan on one process turns on a one-rank FSDP."""
+
     tensor_parallel_size: int = 1
+    """Ranks each Linear of ``tp_plan`` is split over (tensor parallel); more than 1 turns it on
+    and needs ``tp_plan``."""
+
     tp_plan: TPPlanConfig | None = None
+    """Which modules tensor parallel splits, and how (sequence and loss parallel)."""
+
     expert_parallel_size: int = 1
+    """Ranks the experts of each MoE layer are split over (expert parallel); more than 1 turns it
+    on and needs ``ep_plan``."""
+
     expert_fully_shard_parallel_size: int | None = None
+    """Ranks the expert parameters are FSDP-sharded over, beside expert parallel. Unset:
+    ``world / (expert_parallel_size * edp)``, with the expert replicas
+    ``edp = gcd(data_parallel_size, world / expert_parallel_size)``."""
+
     ep_plan: EPPlanConfig | None = None
+    """Which expert containers expert parallel shards, and its dispatcher."""
+
     context_parallel_size: int = 1
+    """Ranks the sequence is split over (context parallel: Ulysses, ring or hybrid); more than 1
+    turns it on."""
+
     cp_plan: CPPlanConfig | None = None
+    """How context parallel splits attention. Unset: Ulysses with zig-zag load balance."""
+
     recompute: bool = False
+    """Whether activations of the picked blocks are recomputed in backward instead of kept
+    (activation checkpointing). A boolean and an optional plan turn a memory feature on."""
+
     recompute_plan: tuple[str, ...] | None = None
+    """Patterns of the modules to recompute (outermost matches). Unset: the model facts'
+    repeated blocks."""
+
     recompute_policy: str | tuple[str, ...] = "full"
+    """``"full"`` recomputes everything, ``"selective"`` keeps the matmul and attention outputs and
+    recomputes the rest; or a list of ATen ops to keep, e.g. ``["aten.mm"]``."""
+
     chunk_loss: bool = False
+    """Whether the cross-entropy is computed chunk by chunk, so the full ``[tokens, vocab]``
+    logits are never built."""
+
     chunk_loss_plan: ChunkLossPlanConfig = field(default_factory=ChunkLossPlanConfig)
+    """The chunk size and the loss options of the chunked loss."""
+
     swap_activation: bool = False
+    """Whether the picked blocks' saved activations move to the host after forward and come back
+    before backward, overlapped with compute on a copy stream."""
+
     swap_activation_plan: tuple[str, ...] | None = None
+    """Patterns of the blocks whose activations are swapped. Unset: the model facts' repeated
+    blocks."""
+
     swap_optimizer: bool = False
+    """Whether the optimizer states live on the host and move to the device, a parameter group
+    at a time, for the optimizer step."""
+
     swap_force: bool = False
+    """Whether the swaps (activation and optimizer) run on a device without copy streams, such as
+    the CPU, where they save nothing and are otherwise skipped with a warning (for tests)."""
+
     quantization_plan: QuantizeConfig | None = None
+    """MX block quantization for training. A plan object turns quantization on; unset: off."""
+
     compile: bool = False
+    """Whether each picked block is compiled with ``torch.compile``."""
+
     compile_plan: tuple[str, ...] | None = None
+    """Patterns of the modules to compile (outermost matches). Unset: the model facts' repeated
+    blocks."""
+
     compile_backend: str = "inductor"
+    """The ``torch.compile`` backend, e.g. ``"inductor"`` or ``"aot_eager"``."""
+
     device_type: str | None = None
+    """``"cpu"``, ``"cuda"`` or ``"npu"``. Unset: the accelerator PyTorch finds, else the CPU."""
+
 
     def __post_init__(self) -> None:
         check_int(self.data_parallel_size, "data_parallel_size", minimum=1)

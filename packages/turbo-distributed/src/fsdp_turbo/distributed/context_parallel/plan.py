@@ -10,7 +10,6 @@ from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.model_facts import ModelFacts, import_attention_function
-from fsdp_turbo.core.parallel_state import ParallelSizes
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow
 from fsdp_turbo.distributed.context_parallel.inputs import InputNames
 from fsdp_turbo.fsdp_turbo_config import CPPlanConfig
@@ -96,13 +95,13 @@ def _check_ring_can_compute(config: Any, mode: str) -> None:
                           reason=f"ring attention does not soft-cap its logits (attn_logit_softcapping={softcap})")
 
 
-def check_head_split(facts: ModelFacts, sizes: ParallelSizes, plan: CPPlanConfig) -> None:
+def check_head_split(facts: ModelFacts, cp: int, tp: int, plan: CPPlanConfig) -> None:
     """The attention heads split over tensor parallel and over the Ulysses ranks of context
     parallel (a ring keeps them all); their product must divide the query heads."""
-    ulysses, field = {"ulysses": (sizes.cp, "tensor_parallel_size*context_parallel_size"),
+    ulysses, field = {"ulysses": (cp, "tensor_parallel_size*context_parallel_size"),
                       "ring": (1, "tensor_parallel_size"),
                       "hybrid": (plan.ulysses_size or 1, "tensor_parallel_size*cp_plan.ulysses_size")}[plan.mode]
-    heads, split = facts.num_attention_heads, sizes.tp * ulysses
+    heads, split = facts.num_attention_heads, tp * ulysses
     if heads is not None and split > 1 and heads % split:
         ring = ", or cp_plan.mode='ring'" if plan.mode != "ring" else ""
         raise ConfigError(field, split, f"use sizes whose product divides num_attention_heads={heads}{ring}",

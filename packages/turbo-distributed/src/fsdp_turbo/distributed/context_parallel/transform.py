@@ -13,8 +13,8 @@ from torch import nn
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.hf import register_attention_function
 from fsdp_turbo.core.logging import get_logger
-from fsdp_turbo.core.model_facts import ModelFacts
-from fsdp_turbo.core.parallel_state import ParallelSizes, ParallelState
+from fsdp_turbo.core.model_facts import ModelFacts, resolve_model_facts
+from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Plans, Stage, Transform
 from fsdp_turbo.distributed.context_parallel.context import CPState
 from fsdp_turbo.distributed.context_parallel.inputs import InputNames, install_input_splitter
@@ -107,15 +107,16 @@ def apply_cp_plan(model: nn.Module, plan: CPPlan, cp_mesh, cp_groups: list[list[
     return state
 
 
-def plan_context_parallel(model: nn.Module, plan: CPPlanConfig | None, sizes: ParallelSizes,
-                          facts: ModelFacts) -> CPPlan:
-    """What CP over ``sizes.cp`` ranks would wrap; raises ``ConfigError``, never communicates."""
-    plan, size = plan or CPPlanConfig(), sizes.cp
+def plan_context_parallel(model: nn.Module, plan: CPPlanConfig | None, size: int, facts: ModelFacts, *,
+                          tp: int = 1) -> CPPlan:
+    """What CP over ``size`` ranks (beside ``tp`` tensor-parallel ones) would wrap; raises
+    ``ConfigError``, never communicates."""
+    plan = plan or CPPlanConfig()
     if plan.mode == "hybrid" and (size % plan.ulysses_size or plan.ulysses_size >= size):
         raise ConfigError("cp_plan.ulysses_size", plan.ulysses_size,
                           f"use a divisor of context_parallel_size={size} below it (2 .. {size // 2})",
                           reason="hybrid runs Ulysses over ulysses_size ranks inside a ring of the rest")
-    check_head_split(facts, sizes, plan)
+    check_head_split(facts, size, tp, plan)
     target = resolve_cp_target(model, plan, facts)
     # Named attention modules each run once a forward; otherwise every repeated block
     # (decoder layer) has one attention the wrapper must run in, a model without such
@@ -126,10 +127,13 @@ def plan_context_parallel(model: nn.Module, plan: CPPlanConfig | None, sizes: Pa
                   inputs=InputNames(facts.token_input, facts.position_input, facts.ignore_index))
 
 
-def apply_context_parallel(model: nn.Module, plan: CPPlanConfig | None, cp_mesh) -> CPState:
+def apply_context_parallel(model: nn.Module, plan: CPPlanConfig | None, cp_mesh,
+                           facts: ModelFacts | None = None) -> CPState:
     """Context parallel without the facade: resolve ``plan`` on ``model``, then install.
-    Hybrid needs ``cp_mesh`` to span the world (its sub-groups are made from it)."""
-    resolved = plan_context_parallel(model, plan, cp_mesh.size())
+    ``facts`` default to what the model says of itself. Hybrid needs ``cp_mesh`` to span the
+    world (its sub-groups are made from it)."""
+    facts = facts if facts is not None else resolve_model_facts(model)
+    resolved = plan_context_parallel(model, plan, cp_mesh.size(), facts)
     groups = None
     if resolved.mode == "hybrid":
         ranks = cp_mesh.mesh.flatten().tolist()
@@ -148,7 +152,8 @@ class ContextParallelTransform(Transform):
 
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
              upstream: Plans, facts: ModelFacts) -> CPPlan:
-        return plan_context_parallel(model, config.cp_plan, parallel_state.sizes, facts)
+        return plan_context_parallel(model, config.cp_plan, parallel_state.cp_size, facts,
+                                     tp=parallel_state.tp_size)
 
     def apply(self, model: nn.Module, plan: CPPlan, parallel_state: ParallelState) -> nn.Module:
         groups = parallel_state.ranks_along("cp") if plan.mode == "hybrid" else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from fsdp_turbo.core.logging import get_logger
-from fsdp_turbo.core.model_facts import ModelFacts
+from fsdp_turbo.core.model_facts import ModelFacts, resolve_model_facts
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Plans, Stage, Transform
 from fsdp_turbo.distributed.expert_parallel.dispatchers import ExpertGroup
@@ -28,9 +28,12 @@ def apply_ep_plan(model: nn.Module, plan: EPPlan, ep_mesh) -> dict[str, nn.Modul
     return converted
 
 
-def apply_expert_parallel(model: nn.Module, plan: EPPlanConfig, ep_mesh) -> dict[str, nn.Module]:
-    """Expert parallel without the facade: resolve ``plan`` on ``model``, then convert."""
-    return apply_ep_plan(model, resolve_ep_plan(model, plan, ep_mesh.size()), ep_mesh)
+def apply_expert_parallel(model: nn.Module, plan: EPPlanConfig, ep_mesh,
+                          facts: ModelFacts | None = None) -> dict[str, nn.Module]:
+    """Expert parallel without the facade: resolve ``plan`` on ``model``, then convert.
+    ``facts`` default to what the model says of itself."""
+    facts = facts if facts is not None else resolve_model_facts(model)
+    return apply_ep_plan(model, resolve_ep_plan(model, plan, ep_mesh.size(), facts), ep_mesh)
 
 
 class ExpertParallelTransform(Transform):
