@@ -44,8 +44,18 @@ class ModelSection(ConfigSection):
     _prefix: ClassVar[str] = "model"
 
     config: dict[str, Any] | None = None
+    """A Hugging Face model config as a mapping (the arguments of ``AutoConfig.for_model``),
+    with ``model_type`` naming the architecture, e.g. ``{model_type: llama, hidden_size: 64}``;
+    the weights are initialised from ``run.seed``. Give exactly one of ``config`` and
+    ``model_name_or_path``; unset (the default) means the model comes from a folder."""
     model_name_or_path: str | None = None
+    """The path of a local Hugging Face model folder (``config.json`` and its
+    ``*.safetensors``), whose weights the job starts from; ``~`` is expanded. A hub ID is
+    refused (nothing is downloaded). Give exactly one of ``config`` and ``model_name_or_path``."""
     dtype: str = "float32"
+    """The torch dtype the model's parameters are built in, by name (``float32``,
+    ``bfloat16``/``bf16``, ``float16``/``fp16``, ...); stored as the canonical name. Default
+    ``float32``."""
 
     def __post_init__(self) -> None:
         if (self.config is None) == (self.model_name_or_path is None):
@@ -113,9 +123,19 @@ class SourceSection(ConfigSection):
     _prefix: ClassVar[str] = "data.sources[]"
 
     path: str = ""
+    """Where the source's data is: a file glob (``data/*.jsonl``; ``.jsonl .json .parquet .csv
+    .txt .arrow``) or a ``datasets`` ``save_to_disk`` folder. Relative paths are read from the
+    folder the command runs in. Required."""
     text_field: str | None = None
+    """The column holding plain text, for pretraining: every token carries loss. ``.txt``
+    files have one column, ``text``. Give exactly one of ``text_field`` and ``messages_field``."""
     messages_field: str | None = None
+    """The column holding conversations (lists of ``{role, content}``), for SFT: rendered with
+    the tokenizer's chat template, with loss on the assistant turns only. Give exactly one of
+    ``text_field`` and ``messages_field``."""
     weight: float = 1.0
+    """The source's share of the training mixture, relative to the other sources' weights
+    (a number > 0; default 1, all sources alike). Ignored for eval sources, read in order."""
 
     def __post_init__(self) -> None:
         where = self._prefix
@@ -143,8 +163,14 @@ class EvalSection(ConfigSection):
     _prefix: ClassVar[str] = "data.eval"
 
     sources: tuple[SourceSection, ...] = ()
+    """The held-out sources, a list of mappings with the fields of ``data.sources``, read from
+    their start in order (``weight`` is not used). Required, at least one."""
     every: int = 100
+    """Evaluate every this many optimizer steps (an integer >= 1; default 100): after steps
+    ``every``, ``2 x every``, ... The result is the ``eval_loss`` of that step's metrics row."""
     batches: int = 8
+    """Micro-batches each data shard evaluates (an integer >= 1; default 8). The held-out set
+    must hold ``batches x run.micro_batch x data shards`` sequences, checked before step 1."""
 
     def __post_init__(self) -> None:
         _set(self, "sources", _sections(self.sources, SourceSection, "data.eval.sources"))
@@ -174,15 +200,40 @@ class DataSection(ConfigSection):
     _nested: ClassVar[dict[str, type[ConfigSection]]] = {"eval": EvalSection}
 
     tokenizer: str = "byte"
+    """The tokenizer: the path of a local Hugging Face tokenizer folder (what
+    ``AutoTokenizer.from_pretrained`` reads, with a chat template for SFT), or ``byte`` (the
+    default: one token a byte, vocabulary 256, nothing to download). Its vocabulary must not
+    exceed the model's ``vocab_size``."""
     files: tuple[str, ...] | None = None
+    """Shorthand for one pretraining source: a list of text-file globs, each file one
+    document, the first ``max_bytes`` bytes of them; ``stdlib:*.py`` means this Python's
+    standard library folder. Unset with ``sources`` unset means ``[stdlib:*.py]`` (the demo).
+    Give ``files`` or ``sources``, not both."""
     sources: tuple[SourceSection, ...] | None = None
+    """The training sources, a list of mappings (``path``, ``text_field`` or
+    ``messages_field``, ``weight``), mixed by weight in a seeded order. Unset (the default):
+    ``files`` is used. Give ``files`` or ``sources``, not both."""
     seq_len: int = 128
+    """Tokens per training sequence (a row of a micro-batch), an integer >= 2; default 128."""
     max_bytes: int = 4_000_000
+    """The most bytes of text the ``files`` shorthand reads, over all its files in order, the
+    last one cut (an integer >= 1; default 4,000,000). Not used with ``sources``."""
     packing: bool = True
+    """``true`` (the default): documents share ``seq_len`` windows back to back; positions
+    restart at each document and no token attends to or predicts across a boundary.
+    ``false``: one document per row, padded, with an attention mask."""
     overflow: str = "split"
+    """What becomes of a document longer than ``seq_len``: ``split`` (the default) into
+    pieces, each its own document; ``truncate`` to its first ``seq_len`` tokens; or ``error``."""
     eval: EvalSection | None = None
+    """A held-out set evaluated during training (a mapping with ``sources``, ``every`` and
+    ``batches``). Unset (the default): no evaluation."""
     cache_dir: str | None = None
+    """The folder that keeps the tokenized and packed data for the next run and for every
+    rank. Unset (the default): ``OUTPUT/data_cache``, in ``output_dir``."""
     cache_lock_timeout_s: float = 3600.0
+    """Seconds a process waits for another one preparing the same data (it holds the cache
+    entry's lock) before it fails, naming the lock; a number > 0, default 3600 (an hour)."""
 
     def __post_init__(self) -> None:
         check_int(self.seq_len, "data.seq_len", minimum=2)
@@ -212,15 +263,23 @@ class DataSection(ConfigSection):
 
 @dataclass(frozen=True)
 class LoggingSection(ConfigSection):
-    """``tensorboard``: loss, eval loss, learning rate, gradient norm, tokens/s and memory
-    into ``OUTPUT/tensorboard/`` (rank 0, ``torch.utils.tensorboard``)."""
+    """What rank 0 reports besides ``metrics.jsonl``: TensorBoard scalars
+    (``torch.utils.tensorboard``), and how often a plain progress line is logged."""
 
     _prefix: ClassVar[str] = "logging"
 
     tensorboard: bool = False
+    """``true``: rank 0 also writes loss, eval loss, learning rate, gradient norm, tokens/s and
+    peak memory as TensorBoard scalars into ``OUTPUT/tensorboard/``. Default ``false``."""
+    every: int = 1
+    """Where the output is not a terminal (a log file: Slurm, Kubernetes, CI), rank 0 logs one
+    plain progress line every this many steps, and at the run's last step (an integer >= 1;
+    default 1, every step). On a terminal a progress bar is redrawn every step instead.
+    ``metrics.jsonl`` has a row for every step either way."""
 
     def __post_init__(self) -> None:
         check_bool(self.tensorboard, "logging.tensorboard")
+        check_int(self.every, "logging.every", minimum=1)
 
 
 @dataclass(frozen=True)
@@ -230,12 +289,24 @@ class OptimizerSection(ConfigSection):
     _prefix: ClassVar[str] = "optimizer"
 
     lr: float = 3e-3
+    """The peak learning rate, reached at the end of the warmup (a number > 0; default 3e-3)."""
     weight_decay: float = 0.01
+    """AdamW's decoupled weight decay, applied to every parameter (a number >= 0; default 0.01)."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's two moment decay rates, each in [0, 1); default ``[0.9, 0.95]``."""
     eps: float = 1e-8
+    """AdamW's epsilon, added to the denominator for numerical stability (a number > 0;
+    default 1e-8)."""
     warmup_steps: int = 20
+    """Optimizer steps over which the learning rate rises linearly from 0 to ``lr`` (an
+    integer >= 0; default 20; 0 starts at ``lr``)."""
     min_lr_ratio: float = 0.1
+    """Where the cosine decay ends, as a fraction of ``lr``, reached at ``run.steps`` (a number
+    in [0, 1]; default 0.1; 1 keeps ``lr`` constant after the warmup)."""
     grad_clip: float | None = 1.0
+    """The largest global gradient norm (over all parameters and ranks); larger gradients are
+    scaled down to it before the step (a number > 0; default 1.0). ``null``: no clipping (the
+    norm is still measured and logged)."""
 
     def __post_init__(self) -> None:
         _set(self, "lr", check_float(self.lr, "optimizer.lr", minimum=0.0, strict=True))
@@ -281,13 +352,32 @@ class RunSection(ConfigSection):
     _prefix: ClassVar[str] = "run"
 
     steps: int = 100
+    """Optimizer steps in the whole run (an integer >= 1; default 100); the learning-rate
+    schedule spans them. ``--max-steps`` overrides it."""
     micro_batch: int = 4
+    """Sequences per forward and backward on each data shard (an integer >= 1; default 4)."""
     grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step on each data shard (an integer >= 1;
+    default 1). Leave it out when ``global_batch`` is set: the accumulation is then derived."""
     global_batch: int | None = None
+    """Sequences per optimizer step over all data shards. When set, the accumulation is
+    ``global_batch / (micro_batch x data shards)`` at the world the job runs at, which must
+    be a whole number, so a job resumed on fewer nodes keeps its batch and its data order.
+    Unset (the default): ``grad_accum`` micro-batches a step, whatever the world."""
     seed: int = 0
+    """The seed of the weights' initialisation (``model.config`` jobs) and of the data
+    mixture's order (an integer >= 0; default 0)."""
     nonfinite: str = "stop"
+    """What a step with a non-finite loss or gradient norm does: ``stop`` (the default; the job
+    fails, naming the step, and writes no checkpoint of it) or ``skip`` (no update; the step
+    is counted in the metrics and the job fails after ``max_skipped`` of them)."""
     max_skipped: int = 10
+    """With ``nonfinite: skip``, the job fails once this many steps were skipped (an integer
+    >= 1; default 10)."""
     collective_timeout_s: float = 600.0  # NCCL's own default; gloo's (30 min) is too long to notice a lost node
+    """Seconds a collective waits for its peers before it fails, so that a dead or stopped
+    peer becomes an error (and a torchrun restart), not a stall: a number in [1, 1e9];
+    default 600 (NCCL's own default)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch", "grad_accum"):
@@ -318,10 +408,18 @@ class RunSection(ConfigSection):
 
 @dataclass(frozen=True)
 class CheckpointSection(ConfigSection):
+    """Training checkpoints (DCP folders, with the optimizer, scheduler, data position and RNG
+    states) that ``--resume`` continues from."""
+
     _prefix: ClassVar[str] = "checkpoint"
 
     save_every: int = 0  # 0: only at the end
+    """Write a training checkpoint every this many optimizer steps, into
+    ``OUTPUT/checkpoints/RUN/step-N`` (an integer >= 0; default 0: only at the last step).
+    ``--save-every`` overrides it. A checkpoint is also written at ``--stop-at-step``."""
     keep: int = 3
+    """The most checkpoints of this run kept; older ones of the same run are deleted once a
+    new one is complete; other runs' are never touched (an integer >= 1; default 3)."""
 
     def __post_init__(self) -> None:
         check_int(self.save_every, "checkpoint.save_every", minimum=0)
@@ -330,6 +428,8 @@ class CheckpointSection(ConfigSection):
 
 @dataclass(frozen=True)
 class JobConfig(ConfigSection):
+    """A whole job file: each section, and where the run writes."""
+
     _nested: ClassVar[dict[str, type[ConfigSection]]] = {
         "model": ModelSection,
         "data": DataSection,
@@ -342,13 +442,32 @@ class JobConfig(ConfigSection):
     _prefix: ClassVar[str] = ""  # sections are named as they stand in the file
 
     model: ModelSection | None = None
+    """The model to train: a Hugging Face config (random initialisation) or a local model
+    folder (its weights). Required."""
     data: DataSection = field(default_factory=DataSection)
+    """The training (and held-out) data, its tokenizer, sequence length and packing. Default:
+    the byte tokenizer over this Python's standard library (the zero-download demo)."""
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    """AdamW, its warmup and cosine learning-rate schedule, and gradient clipping. Default:
+    the section's defaults."""
     run: RunSection = field(default_factory=RunSection)
+    """Steps, batch sizes, seed, what a non-finite step does, and the collective timeout.
+    Default: the section's defaults."""
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    """How often training checkpoints are written and how many are kept. Default: one at the
+    end, three kept."""
     logging: LoggingSection = field(default_factory=LoggingSection)
+    """TensorBoard and the plain progress lines' interval. Default: no TensorBoard, a line
+    every step."""
     turbo: FSDPTurboConfig = field(default_factory=FSDPTurboConfig)
+    """The whole ``FSDPTurboConfig`` (parallel sizes, FSDP/TP/EP/CP plans, recompute, chunked
+    loss, swapping, quantization, compile), in its own field names. Default: FSDP over every
+    rank, nothing else."""
     output_dir: str = "fsdp_turbo_output"
+    """The folder the run writes to: ``metrics.jsonl``, ``loss.png``, ``checkpoints/``,
+    ``final/`` (the model in transformers' layout), ``tensorboard/`` and, by default, the
+    data cache. Relative to the folder the command runs in; default ``fsdp_turbo_output``.
+    ``--output-dir`` overrides it."""
 
     def __post_init__(self) -> None:
         if self.model is None:
