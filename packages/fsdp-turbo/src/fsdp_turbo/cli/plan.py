@@ -15,13 +15,15 @@ from collections import defaultdict
 
 from fsdp_turbo.cli.job_config import JobConfig
 from fsdp_turbo.cli.model import build_model
+from fsdp_turbo.cli.sizes import default_world_size, job_sizes
 from fsdp_turbo.core.device import detect_device_type
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.features import ignored_fields
 from fsdp_turbo.core.memory_estimate import MemoryEstimate, MemoryModel
+from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.parallel_state import ParallelSizes, ParallelState
 from fsdp_turbo.core.topology import NodeLayout, cross_node_warnings, placement
-from fsdp_turbo.fsdp_turbo import plan_transforms
+from fsdp_turbo.fsdp_turbo import model_facts, plan_transforms
 
 MIB = 2**20
 
@@ -43,12 +45,6 @@ def compress_names(names: list[str]) -> list[str]:
         spec = f"{indices[0]}-{indices[-1]}" if contiguous and len(indices) > 1 else ",".join(map(str, indices))
         out.append(template.replace("{}", "{" + spec + "}"))
     return out + singles
-
-
-def default_world_size(job: JobConfig) -> int:
-    config = job.turbo
-    fsdp = max(config.fully_shard_parallel_size, 1)
-    return config.data_parallel_size * fsdp * config.context_parallel_size * config.tensor_parallel_size
 
 
 def node_layout(job: JobConfig, world_size: int | None, nnodes: int | None,
@@ -88,24 +84,33 @@ def placement_lines(sizes: ParallelSizes, nodes: NodeLayout) -> list[str]:
     return lines
 
 
+def facts_lines(facts: ModelFacts) -> list[str]:
+    """What the model is, each fact with where it came from (detected or configured)."""
+    rows = facts.rows()
+    width = max(len(row.label) for row in rows)
+    return ["model facts:"] + [f"  {row.label:<{width}}  {row.value}  [{row.source}]" for row in rows]
+
+
 def make_plan(job: JobConfig, world_size: int | None = None, *,
               nodes: NodeLayout | None = None) -> tuple[list[str], MemoryEstimate]:
     """The plan's lines and memory estimate. Raises ``ConfigError`` as ``train`` would.
     ``nodes`` adds the placement block, and sets the world size (``nodes.world``)."""
     world = nodes.world if nodes is not None else world_size or default_world_size(job)
-    sizes = job.turbo.validate(world)
+    sizes = job_sizes(job, world).parallel  # the accumulation is checked too, as train checks it
     model = build_model(job.model)
     # train runs every job under torchrun, so this plans for a launched job (FSDP is on
     # even at world size 1); planning communicates nothing and builds no mesh.
     state = ParallelState(sizes, rank=0, device_type=detect_device_type(job.turbo.device_type), distributed=True)
-    planned = plan_transforms(job.turbo, model, state)
-    model_memory = MemoryModel.of(model, tokens=job.run.micro_batch * job.data.seq_len)
+    facts = model_facts(job.turbo, model)
+    planned = plan_transforms(job.turbo, model, state, facts=facts)
+    model_memory = MemoryModel.of(model, job.run.micro_batch * job.data.seq_len, facts)
     for _, plan in planned:
         plan.estimate(model_memory)
     memory = model_memory.totals()
     weights = _weights_line(job, model_memory)
     lines = [f"FSDPTurbo plan: {type(model).__name__}, "
              f"{sum(p.numel() for p in model.parameters()):,} parameters, world size {world}",
+             *facts_lines(facts),
              f"mesh: {state.describe()}",
              f"transforms, in order: {', '.join(t.name for t, _ in planned) or 'none'}",
              "ranks:  rank  dp_replicate  fsdp  cp  tp  |  edp  efsdp  ep"]
