@@ -15,8 +15,13 @@
 ``RANK`` is a global rank, or ``*`` for every worker that has the variable (one node's,
 when only that node's agent was started with it). Faults fire on a job's first attempt
 only: a torchrun restart runs clean. The variable is read and checked once, before any
-process group; a malformed value is a ``ConfigError`` on every rank. When it is unset,
-``arm`` returns ``None`` and the training loop does not consult this module at all.
+process group; a malformed value is a ``ConfigError`` on every rank.
+
+The training loop calls three hook points and never asks whether faults are armed:
+``on_loss(step, loss)`` (a micro-batch's loss, before backward), ``after_step(step, rank)``
+and ``save_options(step)`` (extra arguments of ``save_checkpoint``). ``hooks()`` gives the
+armed ``Faults``, or ``NO_FAULTS``, whose hooks do nothing, when the variable is unset or
+the attempt is a restart (``arm`` then returns ``None``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ import os
 import re
 import signal
 from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
 
 from fsdp_turbo.core.errors import ConfigError
 
@@ -50,8 +58,39 @@ class Fault:
         return step == self.step and self.rank in (None, "*", str(rank))
 
 
+class Hooks(Protocol):
+    """The points where the training loop lets a fault in."""
+
+    def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss of ``step``, before its backward."""
+
+    def after_step(self, step: int, rank: int) -> None:
+        """``step`` is done on this rank (reported, not yet saved)."""
+
+    def save_options(self, step: int) -> dict[str, Any]:
+        """Extra keyword arguments of ``save_checkpoint`` for the save of ``step``."""
+
+
+class NoFaults:
+    """The hooks of a run without faults: they change nothing."""
+
+    def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def after_step(self, step: int, rank: int) -> None:
+        return None
+
+    def save_options(self, step: int) -> dict[str, Any]:
+        return {}
+
+
+NO_FAULTS = NoFaults()
+
+
 @dataclass(frozen=True)
 class Faults:
+    """The armed faults, behind the loop's hook points (``Hooks``)."""
+
     faults: tuple[Fault, ...]
 
     def _due(self, kind: str, step: int, rank: int) -> bool:
@@ -62,6 +101,14 @@ class Faults:
 
     def crash_during_save(self, step: int) -> bool:
         return self._due("crash_save", step, 0)
+
+    def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """``nan@STEP``: the loss times NaN, so its gradients are NaN too."""
+        return loss * float("nan") if self.nan_loss(step) else loss
+
+    def save_options(self, step: int) -> dict[str, Any]:
+        """``crash_save@STEP``: the save exits once its shards are written."""
+        return {"crash_after_shards": self.crash_during_save(step)}
 
     def after_step(self, step: int, rank: int) -> None:
         """Kill, stop or fail this process, where a fault says so."""
@@ -90,3 +137,9 @@ def arm() -> Faults | None:
         return None
     faults = parse(value)  # checked on every attempt, so a bad value never waits for a restart
     return None if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" else faults
+
+
+def hooks() -> Faults | NoFaults:
+    """The loop's hook points for this process: the armed faults, or ``NO_FAULTS``."""
+    armed = arm()
+    return NO_FAULTS if armed is None else armed
