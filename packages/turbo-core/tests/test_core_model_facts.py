@@ -168,3 +168,16 @@ def test_lm_loss_takes_the_facts_ignore_index_and_refuses_another():
     with pytest.raises(ConfigError) as info:
         lm_loss(model, labels, tokens, ignore_index=-100)
     assert "model_facts.ignore_index" in info.value.fix
+
+
+def test_an_hf_models_own_loss_ignores_the_facts_label():
+    torch.manual_seed(0)
+    model = FSDPTurbo(FSDPTurboConfig(model_facts={"ignore_index": -1}), tiny_hf_causal_lm("llama"))
+    tokens = torch.randint(0, 64, (2, 9))
+    labels = tokens.clone()
+    labels[:, :4] = -1  # a prompt: no loss there
+    output = model(input_ids=tokens, labels=labels)
+    shifted = labels[:, 1:].reshape(-1)
+    expected = torch.nn.functional.cross_entropy(output.logits[:, :-1].reshape(shifted.numel(), -1).float(), shifted,
+                                                 ignore_index=-1)
+    torch.testing.assert_close(output.loss, expected)

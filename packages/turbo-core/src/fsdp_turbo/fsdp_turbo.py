@@ -24,7 +24,7 @@ from fsdp_turbo.core.blueprint import guard_meta_model, has_meta_tensors, record
 from fsdp_turbo.core.device import detect_device_type, init_process_group
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.features import Feature, ignored_fields, requested_features
-from fsdp_turbo.core.lm_loss import lm_loss
+from fsdp_turbo.core.lm_loss import honour_ignore_index, lm_loss
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.model_facts import ModelFacts, resolve_model_facts
 from fsdp_turbo.core.parallel_state import ParallelState
@@ -133,6 +133,7 @@ def FSDPTurbo(config: FSDPTurboConfig | Mapping[str, Any] | str | Path, model: M
     planned = plan_transforms(config, model, state, facts=facts)
     record_blueprint(model)
     _ensure_process_group(state, planned)
+    honour_ignore_index(model, facts.ignore_index)
     for transform, plan in planned:
         _log.info(f"applying {transform.name}")
         model = transform.apply(model, plan, state)

@@ -109,3 +109,24 @@ def lm_loss(model: nn.Module, labels: torch.Tensor, *args: Any, ignore_index: in
     for reduce in getattr(model, _REDUCERS, ()):
         loss = reduce(loss)
     return loss
+
+
+class _WithIgnoreIndex:
+    """An HF ``loss_function`` that ignores the model facts' label, not its default -100."""
+
+    def __init__(self, inner: Callable[..., torch.Tensor], ignore_index: int) -> None:
+        self.inner, self.ignore_index = inner, ignore_index
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs.setdefault("ignore_index", self.ignore_index)
+        return self.inner(*args, **kwargs)
+
+
+def honour_ignore_index(model: nn.Module, ignore_index: int) -> None:
+    """Make an HF model's own loss (``model.loss_function``) ignore ``ignore_index``. HF's
+    losses default to -100; without this a ``model_facts.ignore_index`` of another value
+    would hold for FSDPTurbo's losses and context parallel's padding but not for the model's
+    own loss in the same step. Features that wrap the loss later (loss parallel, the
+    chunked loss) wrap this one."""
+    if ignore_index != IGNORE_INDEX and callable(getattr(model, "loss_function", None)):
+        model.loss_function = _WithIgnoreIndex(model.loss_function, ignore_index)
