@@ -6,7 +6,8 @@ message *i*, the conversation rendered up to message *i - 1* with the generation
 is a prefix of the text, and the conversation rendered up to message *i* ends where the
 turn ends (its content, the end-of-turn token and whatever the template puts after it
 before the next turn). Tokens whose first character lies between the two carry loss;
-everything else is label -100. This needs no ``{% generation %}`` markers in the template,
+everything else is labelled with the ignore index (the job's ``turbo.model_facts.ignore_index``,
+default -100). This needs no ``{% generation %}`` markers in the template,
 and a template whose renderings are not prefixes of each other is refused, not guessed.
 """
 
@@ -15,8 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_turbo.core.errors import ConfigError
-
-IGNORE = -100
+from fsdp_turbo.core.model_facts import IGNORE_INDEX
 
 
 def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
@@ -49,11 +49,12 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]], where: str) -> tu
     return text, spans
 
 
-def render_conversation(tokenizer, messages: list[dict[str, str]], where: str) -> tuple[list[int], list[int]]:
-    """Token ids and labels (-100 outside the assistant turns) of one conversation."""
+def render_conversation(tokenizer, messages: list[dict[str, str]], where: str,
+                        ignore_index: int = IGNORE_INDEX) -> tuple[list[int], list[int]]:
+    """Token ids and labels (``ignore_index`` outside the assistant turns) of one conversation."""
     text, spans = assistant_spans(tokenizer, messages, where)
     ids, offsets = tokenizer.encode_with_offsets(text)
-    labels = [IGNORE] * len(ids)
+    labels = [ignore_index] * len(ids)
     for index, (start, _) in enumerate(offsets):
         if any(low <= start < high for low, high in spans):
             labels[index] = ids[index]

@@ -2,8 +2,10 @@
 
 A window becomes one row of four tensors:
 - ``input_ids``: its pieces back to back, then padding;
-- ``labels``: the pieces' tokens (SFT: -100 outside assistant turns), with the first token
-  of every piece at -100, so no position predicts across a boundary; padding is -100;
+- ``labels``: the pieces' tokens (SFT: the ignore index outside assistant turns), with the
+  first token of every piece at the ignore index, so no position predicts across a
+  boundary; padding is the ignore index. That is the job's ``turbo.model_facts.ignore_index``
+  (default ``core.model_facts.IGNORE_INDEX``, -100), the value the losses leave out;
 - ``position_ids``: restarting at 0 in every piece and in the padding. transformers reads
   packed sequences from exactly this and masks attention per document (and our context
   parallel wrapper does the same on the whole sequence);
@@ -28,9 +30,10 @@ from fsdp_turbo.cli.data.mixture import Mixture
 from fsdp_turbo.cli.data.prepare import PreparedSource
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.model_facts import IGNORE_INDEX
 
 _log = get_logger(__name__)
-IGNORE = -100
+IGNORE = IGNORE_INDEX  # the default; a job's own is turbo.model_facts.ignore_index
 
 
 @dataclass
@@ -39,10 +42,12 @@ class Batch:
     labels: torch.Tensor
     position_ids: torch.Tensor
     attention_mask: torch.Tensor | None  # without packing only
+    ignore_index: int = IGNORE_INDEX  # the label value that carries no loss
 
     def to(self, device: torch.device) -> Batch:
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
-        return Batch(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device), mask)
+        return Batch(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device), mask,
+                     self.ignore_index)
 
     def model_inputs(self) -> dict[str, Any]:
         inputs = {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids,
@@ -53,7 +58,7 @@ class Batch:
 
     def loss_tokens(self) -> int:
         """Positions that carry loss (the model shifts labels by one)."""
-        return int((self.labels[:, 1:] != IGNORE).sum())
+        return int((self.labels[:, 1:] != self.ignore_index).sum())
 
 
 def _slice(column, doc: int, start: int, length: int) -> list[int]:
@@ -61,7 +66,8 @@ def _slice(column, doc: int, start: int, length: int) -> list[int]:
     return column[doc].values.slice(start, length).to_pylist()
 
 
-def window_row(source: PreparedSource, window: int, seq_len: int, pad_id: int) -> tuple[list[int], ...]:
+def window_row(source: PreparedSource, window: int, seq_len: int, pad_id: int,
+               ignore_index: int = IGNORE_INDEX) -> tuple[list[int], ...]:
     """(input_ids, labels, position_ids, attention_mask) of one window, as lists."""
     table = source.tokens.data
     tokens = table.column("input_ids")
@@ -70,27 +76,28 @@ def window_row(source: PreparedSource, window: int, seq_len: int, pad_id: int) -
     for doc, start, length in source.windows.pieces(window):
         ids += _slice(tokens, doc, start, length)
         piece_labels = _slice(targets, doc, start, length)
-        piece_labels[0] = IGNORE
+        piece_labels[0] = ignore_index
         labels += piece_labels
         positions += range(length)
     used, pad = len(ids), seq_len - len(ids)
     mask = [1] * used + [0] * pad
-    return ids + [pad_id] * pad, labels + [IGNORE] * pad, positions + list(range(pad)), mask
+    return ids + [pad_id] * pad, labels + [ignore_index] * pad, positions + list(range(pad)), mask
 
 
-def make_batch(rows: list[tuple[list[int], ...]], packing: bool) -> Batch:
+def make_batch(rows: list[tuple[list[int], ...]], packing: bool, ignore_index: int = IGNORE_INDEX) -> Batch:
     ids, labels, positions, masks = (torch.tensor(column, dtype=torch.long) for column in zip(*rows, strict=True))
     if not packing:
         positions = torch.arange(ids.shape[1]).expand_as(ids).contiguous()  # one document per row
-    return Batch(ids, labels, positions, None if packing else masks)
+    return Batch(ids, labels, positions, None if packing else masks, ignore_index)
 
 
 class TrainStream:
     """The mixed, shuffled, resumable stream of training windows."""
 
     def __init__(self, sources: list[PreparedSource], weights: list[float], *, seq_len: int, packing: bool,
-                 pad_id: int, seed: int) -> None:
+                 pad_id: int, seed: int, ignore_index: int = IGNORE_INDEX) -> None:
         self.sources, self.seq_len, self.packing, self.pad_id = sources, seq_len, packing, pad_id
+        self.ignore_index = ignore_index
         self.seed = seed
         self.mixture = Mixture(weights, [len(s.windows) for s in sources], seed)
         self.consumed = 0  # windows taken, over all data shards
@@ -99,8 +106,9 @@ class TrainStream:
         return [self.mixture.at(position) for position in range(start, start + count)]
 
     def batch_at(self, start: int, count: int) -> Batch:
-        rows = [window_row(self.sources[s], w, self.seq_len, self.pad_id) for s, w in self.windows_at(start, count)]
-        return make_batch(rows, self.packing)
+        rows = [window_row(self.sources[s], w, self.seq_len, self.pad_id, self.ignore_index)
+                for s, w in self.windows_at(start, count)]
+        return make_batch(rows, self.packing, self.ignore_index)
 
     def next_batch(self, micro_batch: int, dp_rank: int, dp_size: int) -> Batch:
         """This shard's ``micro_batch`` rows of the next global batch."""
@@ -130,9 +138,11 @@ class TrainStream:
 class EvalSet:
     """The held-out windows in order; every evaluation reads the same first batches."""
 
-    def __init__(self, sources: list[PreparedSource], *, seq_len: int, packing: bool, pad_id: int) -> None:
+    def __init__(self, sources: list[PreparedSource], *, seq_len: int, packing: bool, pad_id: int,
+                 ignore_index: int = IGNORE_INDEX) -> None:
         self.index = [(s, w) for s, source in enumerate(sources) for w in range(len(source.windows))]
         self.sources, self.seq_len, self.packing, self.pad_id = sources, seq_len, packing, pad_id
+        self.ignore_index = ignore_index
 
     def batches(self, micro_batch: int, dp_rank: int, dp_size: int, count: int) -> list[Batch]:
         """``count`` micro-batches of this shard; every shard gets as many (their forwards
@@ -145,7 +155,7 @@ class EvalSet:
         out = []
         for b in range(count):
             start = (b * dp_size + dp_rank) * micro_batch
-            rows = [window_row(self.sources[s], w, self.seq_len, self.pad_id)
+            rows = [window_row(self.sources[s], w, self.seq_len, self.pad_id, self.ignore_index)
                     for s, w in self.index[start:start + micro_batch]]
-            out.append(make_batch(rows, self.packing))
+            out.append(make_batch(rows, self.packing, self.ignore_index))
         return out

@@ -1,7 +1,10 @@
 """Tokenize and pack each source once, and keep the result in a cache.
 
 Two digests describe a prepared source, both over the tokenizer's fingerprint, the source's
-fields, ``seq_len``, ``packing``, ``overflow`` and ``max_bytes``:
+fields, ``seq_len``, ``packing``, ``overflow`` and ``max_bytes`` and, for an SFT source whose
+job sets another ``turbo.model_facts.ignore_index`` than the default, that value (its cached
+labels hold it; a text source's hold none, and the default adds nothing, so the caches and
+checkpoints of the default keep their keys and identities):
 
 - the cache key, where the result lives, adds the state of each file: path, size, mtime,
   inode and ctime. A file rewritten in place gets a new ctime, which ``os.utime`` cannot set
@@ -48,6 +51,7 @@ from fsdp_turbo.cli.data.packing import Windows, cut_documents, pack
 from fsdp_turbo.cli.data.sources import check_columns, load_table, resolve_files
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.model_facts import IGNORE_INDEX
 
 _log = get_logger(__name__)
 FORMAT = 2  # bump when the cached layout changes
@@ -105,11 +109,15 @@ def _digest(described: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def _settings(spec: SourceSpec, tokenizer, seq_len: int, packing: bool, overflow: str) -> dict[str, Any]:
+def _settings(spec: SourceSpec, tokenizer, seq_len: int, packing: bool, overflow: str,
+              ignore_index: int) -> dict[str, Any]:
     """What the result depends on besides the files."""
-    return {"format": FORMAT, "tokenizer": tokenizer.fingerprint, "text_field": spec.text_field,
-            "messages_field": spec.messages_field, "max_bytes": spec.max_bytes, "seq_len": seq_len,
-            "packing": packing, "overflow": overflow}
+    settings = {"format": FORMAT, "tokenizer": tokenizer.fingerprint, "text_field": spec.text_field,
+                "messages_field": spec.messages_field, "max_bytes": spec.max_bytes, "seq_len": seq_len,
+                "packing": packing, "overflow": overflow}
+    if spec.sft and ignore_index != IGNORE_INDEX:  # SFT labels hold it (see the module's docstring)
+        settings["ignore_index"] = ignore_index
+    return settings
 
 
 def files_state(files: list[Path]) -> list[FileState]:
@@ -152,7 +160,7 @@ def _limit_files(table, spec: SourceSpec):
     return table.select(range(keep)).map(cut, with_indices=True, keep_in_memory=True)
 
 
-def _tokenize(table, spec: SourceSpec, tokenizer, out: Path):
+def _tokenize(table, spec: SourceSpec, tokenizer, out: Path, ignore_index: int):
     if spec.sft and tokenizer.chat_template is None:
         raise ConfigError("data.tokenizer", str(getattr(tokenizer, "folder", "byte")),
                           "use a tokenizer whose tokenizer_config.json has a chat_template",
@@ -163,7 +171,8 @@ def _tokenize(table, spec: SourceSpec, tokenizer, out: Path):
     def encode(batch: dict[str, list], rows: list[int]) -> dict[str, list]:
         if spec.sft:
             pairs = [render_conversation(tokenizer, check_messages(m, f"{spec.field} row {row}"),
-                                         f"{spec.field} row {row}") for m, row in zip(batch[column], rows, strict=True)]
+                                         f"{spec.field} row {row}", ignore_index)
+                     for m, row in zip(batch[column], rows, strict=True)]
             return {"input_ids": [p[0] for p in pairs], "labels": [p[1] for p in pairs]}
         for text, row in zip(batch[column], rows, strict=True):
             if not isinstance(text, str):
@@ -186,13 +195,14 @@ def _lengths(tokens) -> np.ndarray:
     return pc.list_value_length(tokens.data.column("input_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
-def _statistics(tokens, lengths: np.ndarray, windows: Windows, seq_len: int, sft: bool) -> dict[str, int]:
+def _statistics(tokens, lengths: np.ndarray, windows: Windows, seq_len: int, sft: bool,
+                ignore_index: int) -> dict[str, int]:
     kept = int(windows.length.sum())
     if sft:  # counted in Arrow, without the table in Python lists
         import pyarrow.compute as pc
 
         labels = pc.list_flatten(tokens.data.column("labels"))
-        loss = int(pc.sum(pc.not_equal(labels, -100)).as_py() or 0)
+        loss = int(pc.sum(pc.not_equal(labels, ignore_index)).as_py() or 0)
     else:
         loss = kept - len(windows.doc)  # a piece's first token is predicted by nothing
     return {"documents": int((lengths > 0).sum()), "tokens": int(lengths.sum()), "loss_tokens": int(loss),
@@ -200,19 +210,20 @@ def _statistics(tokens, lengths: np.ndarray, windows: Windows, seq_len: int, sft
             "dropped_tokens": windows.dropped_tokens}
 
 
-def _build(spec: SourceSpec, tokenizer, seq_len: int, packing: bool, overflow: str, datasets_cache: Path,
-           out: Path) -> None:
+def _build(spec: SourceSpec, tokenizer, layout: dict[str, Any], datasets_cache: Path, out: Path) -> None:
+    """Tokenize and pack into ``out``; ``layout``: seq_len, packing, overflow and ignore_index."""
+    seq_len, ignore_index = layout["seq_len"], layout["ignore_index"]
     table = _limit_files(load_table(spec.paths, spec.path_field, datasets_cache), spec)
-    tokens = _tokenize(table, spec, tokenizer, out)
+    tokens = _tokenize(table, spec, tokenizer, out, ignore_index)
     lengths = _lengths(tokens)
     if not lengths.sum():
         raise ConfigError(spec.path_field, spec.path, "give a source with text in it",
                           reason="it has no tokens")
-    doc, start, length, dropped = cut_documents(lengths, seq_len, overflow, spec.field)
-    windows = pack(doc, start, length, seq_len, packing, dropped)
+    doc, start, length, dropped = cut_documents(lengths, seq_len, layout["overflow"], spec.field)
+    windows = pack(doc, start, length, seq_len, layout["packing"], dropped)
     np.savez(out / WINDOWS, doc=windows.doc, start=windows.start, length=windows.length,
              offsets=windows.offsets, dropped=np.int64(dropped))
-    stats = _statistics(tokens, lengths, windows, seq_len, spec.sft)
+    stats = _statistics(tokens, lengths, windows, seq_len, spec.sft, ignore_index)
     (out / STATS).write_text(json.dumps(stats, indent=1), encoding="utf-8")
 
 
@@ -323,7 +334,7 @@ def _check_unchanged(spec: SourceSpec, files: list[Path], before: list[FileState
 
 
 def _build_entry(spec: SourceSpec, tokenizer, files: list[Path], state: list[FileState], settings: dict[str, Any],
-                 cache: Path) -> None:
+                 ignore_index: int, cache: Path) -> None:
     """Build ``cache/<key>`` from ``files`` (in ``state``, the key's) in a partial folder, seal
     it and rename it; the partial folder never outlives a failure."""
     key = cache_key(settings, state)
@@ -334,8 +345,7 @@ def _build_entry(spec: SourceSpec, tokenizer, files: list[Path], state: list[Fil
     partial.mkdir()
     try:
         identity = _digest({**settings, "content": content_digest(files)})
-        _build(spec, tokenizer, settings["seq_len"], settings["packing"], settings["overflow"], datasets_cache,
-               partial)
+        _build(spec, tokenizer, {**settings, "ignore_index": ignore_index}, datasets_cache, partial)
         _check_unchanged(spec, files, state)
         _seal(partial, key, identity)
         os.replace(partial, cache / key)
@@ -346,11 +356,12 @@ def _build_entry(spec: SourceSpec, tokenizer, files: list[Path], state: list[Fil
 
 
 def prepare_source(spec: SourceSpec, tokenizer, *, seq_len: int, packing: bool, overflow: str,
-                   cache_dir: str | Path, lock_timeout_s: float = 3600.0) -> PreparedSource:
+                   cache_dir: str | Path, lock_timeout_s: float = 3600.0,
+                   ignore_index: int = IGNORE_INDEX) -> PreparedSource:
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     files = resolve_files(spec.paths, spec.path_field)
-    settings = _settings(spec, tokenizer, seq_len, packing, overflow)
+    settings = _settings(spec, tokenizer, seq_len, packing, overflow, ignore_index)
     state = files_state(files)
     key = cache_key(settings, state)
     final = cache / key
@@ -364,7 +375,7 @@ def prepare_source(spec: SourceSpec, tokenizer, *, seq_len: int, packing: bool, 
             entry = None
         if entry is None:
             built = True
-            _build_entry(spec, tokenizer, files, state, settings, cache)
+            _build_entry(spec, tokenizer, files, state, settings, ignore_index, cache)
             try:
                 entry = _open_entry(final)
             except _Damaged as damage:

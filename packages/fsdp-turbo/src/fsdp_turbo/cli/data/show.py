@@ -7,7 +7,7 @@ truncated fractions), then the first N training sequences in training order, dec
 
 from __future__ import annotations
 
-from fsdp_turbo.cli.data.loader import IGNORE
+from fsdp_turbo.core.model_facts import IGNORE_INDEX
 
 OPEN, CLOSE, BOUNDARY = "⟦", "⟧", " │ "
 
@@ -29,12 +29,13 @@ def source_lines(kind: str, prepared, weight: float | None, seq_len: int) -> lis
             f"{stats['pieces'] - stats['documents']:,} documents split into pieces"]
 
 
-def marked(tokenizer, ids: list[int], labels: list[int], positions: list[int]) -> str:
+def marked(tokenizer, ids: list[int], labels: list[int], positions: list[int],
+           ignore_index: int = IGNORE_INDEX) -> str:
     """One row decoded: loss-carrying runs in ⟦⟧, a │ where a document (or the padding) starts."""
     out, run, carrying = [], [], False
     for index, (token, label, position) in enumerate(zip(ids, labels, positions, strict=True)):
         starts = index > 0 and position == 0
-        carries = label != IGNORE
+        carries = label != ignore_index
         if run and (starts or carries != carrying):
             text = tokenizer.decode(run)
             out.append(f"{OPEN}{text}{CLOSE}" if carrying else text)
@@ -55,7 +56,7 @@ def _padding_start(batch, pad_id: int) -> int:
         return int(batch.attention_mask[0].sum())
     positions = batch.position_ids[0]
     last = int((positions == 0).nonzero().flatten()[-1])  # packing: the padding restarts at 0 too
-    ignored = bool((batch.labels[0, last:] == IGNORE).all() and (batch.input_ids[0, last:] == pad_id).all())
+    ignored = bool((batch.labels[0, last:] == batch.ignore_index).all() and (batch.input_ids[0, last:] == pad_id).all())
     return last if last > 0 and ignored and int(positions[-1]) == positions.numel() - last - 1 else positions.numel()
 
 
@@ -73,9 +74,10 @@ def show(data, job_data, count: int) -> str:
         batch = stream.batch_at(position, 1)
         source, window = stream.windows_at(position, 1)[0]
         lines.append(f"--- sequence {position} (source {job_data.train_sources[source].spec.field}, window {window}, "
-                     f"{int((batch.labels[0] != IGNORE).sum())} tokens carry loss)")
+                     f"{int((batch.labels[0] != batch.ignore_index).sum())} tokens carry loss)")
         ids, labels, positions = (t[0].tolist() for t in (batch.input_ids, batch.labels, batch.position_ids))
         used = _padding_start(batch, job_data.tokenizer.pad_id)
         padding = f"{BOUNDARY}<{len(ids) - used} padding>" if used < len(ids) else ""
-        lines.append(marked(job_data.tokenizer, ids[:used], labels[:used], positions[:used]) + padding)
+        lines.append(marked(job_data.tokenizer, ids[:used], labels[:used], positions[:used], batch.ignore_index)
+                     + padding)
     return "\n".join(lines)
