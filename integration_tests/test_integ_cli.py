@@ -6,6 +6,7 @@ lose a worker and must end with bit-identical weights (the exported safetensors)
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,13 @@ def fsdp_turbo(*args, env=None, check=True, timeout=600):
 
 def train(job_file, output, nproc=2, *extra, **kwargs):
     return fsdp_turbo("train", job_file, "--nproc-per-node", nproc, "--output-dir", output, *extra, **kwargs)
+
+
+def progress_steps(result, steps: int = 6) -> list[int]:
+    """The steps of rank 0's progress lines: captured output is no terminal, so plain lines
+    (step/steps and loss), never a bar redrawn with carriage returns."""
+    assert "\r" not in result.stdout + result.stderr
+    return [int(step) for step in re.findall(rf"step (\d+)/{steps} \| loss \d+\.\d+ \|", result.stderr)]
 
 
 def checkpoint(output, step: int) -> Path:
@@ -130,10 +138,11 @@ def test_a_job_from_a_checkpoint_trains_as_the_job_from_its_config(job_file, ref
 
 
 def test_resume_after_a_clean_stop_continues_exactly(job_file, reference, tmp_path):
-    train(job_file, tmp_path, 2, "--stop-at-step", 3)
+    stopped = train(job_file, tmp_path, 2, "--stop-at-step", 3)
+    assert progress_steps(stopped) == [1, 2, 3]  # one line a step (logging.every: 1)
     assert not (tmp_path / "final").exists() and checkpoint(tmp_path, 3).is_dir()
     before = (tmp_path / "metrics.jsonl").read_text()
-    train(job_file, tmp_path)
+    assert progress_steps(train(job_file, tmp_path)) == [4, 5, 6]
     assert (tmp_path / "metrics.jsonl").read_text().startswith(before)  # appended, never rewritten
     assert metrics(tmp_path) == [{**row, **{k: r[k] for k in TIMING}}
                                  for row, r in zip(metrics(reference), metrics(tmp_path), strict=True)]

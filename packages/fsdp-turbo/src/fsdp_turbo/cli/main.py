@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 from fsdp_turbo.core.errors import ConfigError
 
@@ -57,7 +58,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def torchrun_args(args: argparse.Namespace) -> list[str]:
-    """The ``torch.distributed.run`` command line for a parsed ``train`` call."""
+    """The ``torch.distributed.run`` command line for a parsed ``train`` call. The workers
+    take the job from the launcher's resolved file (``cli.resolved_job``), overrides applied;
+    the job file stays on their command line, which they check the resolved file against."""
     launch = ["--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts)]
     passed = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in TORCHRUN_FLAGS}
     for flag, value in passed.items():
@@ -67,9 +70,8 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
                            and passed["--master-addr"] is None):
         launch.append("--standalone")
     worker = ["-m", "fsdp_turbo.cli.worker", args.config, "--resume", args.resume]
-    for flag in ("max_steps", "output_dir", "save_every", "stop_at_step"):
-        if getattr(args, flag) is not None:
-            worker += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if args.stop_at_step is not None:
+        worker += ["--stop-at-step", str(args.stop_at_step)]
     return launch + worker
 
 
@@ -78,7 +80,7 @@ def _static_world(args: argparse.Namespace) -> int | None:
     return int(nproc) * int(nnodes) if nproc.isdigit() and nnodes.isdigit() else None
 
 
-def _prepare_data(job, output_dir: str | None):
+def _prepare_data(job):
     """Tokenize and pack the data here, once, before any worker starts: a bad source is one
     clear error, and the workers find the cache (each prepares it itself only where this
     node has no copy, e.g. without a shared file system)."""
@@ -86,7 +88,8 @@ def _prepare_data(job, output_dir: str | None):
     from fsdp_turbo.cli.model import hf_config
 
     vocab_size = getattr(hf_config(job.model), "vocab_size", None)
-    return load_data(job.data, output_dir or job.output_dir, job.run.seed, vocab_size=vocab_size)
+    return load_data(job.data, job.output_dir, job.run.seed, vocab_size=vocab_size,
+                     ignore_index=job.turbo.model_facts.ignore_index)
 
 
 def _prepare_data_here(job, args: argparse.Namespace) -> None:
@@ -97,7 +100,7 @@ def _prepare_data_here(job, args: argparse.Namespace) -> None:
     So this node launches anyway: its workers meet the same error inside an all-ranks
     agreement, and every rank of every node stops at once with its message."""
     try:
-        _prepare_data(job, args.output_dir)
+        _prepare_data(job)
     except ConfigError as error:
         if args.nnodes in (None, "1"):
             raise
@@ -105,37 +108,66 @@ def _prepare_data_here(job, args: argparse.Namespace) -> None:
               file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from fsdp_turbo.cli.job_config import JobConfig
+def resolve(args: argparse.Namespace):
+    """The job of a parsed call: its file with the command's overrides applied, checked."""
+    from fsdp_turbo.cli.resolved_job import resolve_job
 
-    try:
-        job = JobConfig.from_file(args.config)
-        if args.command == "plan":
-            from fsdp_turbo.cli.plan import print_plan
+    return resolve_job(args.config, max_steps=getattr(args, "max_steps", None),
+                       output_dir=getattr(args, "output_dir", None), save_every=getattr(args, "save_every", None))
 
-            print_plan(job, args.world_size, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node)
-            return 0
-        if args.command == "data":
-            from fsdp_turbo.cli.data.show import show
 
-            sys.stdout.write(show(job.data, _prepare_data(job, args.output_dir), args.show) + "\n")
-            return 0
-        world = _static_world(args)
-        if world is not None:  # elastic ranges ("1:4") are checked by the workers
-            job.run.accumulation(job.turbo.validate(world).dp_replicate_x_fsdp)
-        _prepare_data_here(job, args)
-    except ConfigError as error:
-        print(f"fsdp-turbo: {error}", file=sys.stderr)
-        return 2
+def _check_train(job, args: argparse.Namespace) -> None:
+    """What ``train`` checks before launch: the sizes at the launched world, where the flags
+    fix it (elastic ranges such as ``1:4`` are checked by the workers), then the data."""
+    from fsdp_turbo.cli.sizes import job_sizes
+
+    world = _static_world(args)
+    if world is not None:
+        job_sizes(job, world)
+    _prepare_data_here(job, args)
+
+
+def _launch(job, args: argparse.Namespace) -> int:
+    """torchrun, with the resolved job in a folder of this launch's (``cli.resolved_job``)."""
     from torch.distributed.run import main as torchrun
+
+    from fsdp_turbo.cli.resolved_job import VARIABLE, write_resolved
 
     # Restarted workers must not share the rendezvous TCPStore of the failed attempt: with it
     # they can read the dead attempt's peer addresses (pytorch/pytorch#135712; seen here as
     # gloo "connection refused" and hangs after a kill -9).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    torchrun(torchrun_args(args))
+    with tempfile.TemporaryDirectory(prefix="fsdp-turbo-job-") as folder:
+        os.environ[VARIABLE] = str(write_resolved(job, args.config, folder))
+        torchrun(torchrun_args(args))
     return 0
+
+
+def _run_command(args: argparse.Namespace):
+    """``plan`` and ``data`` do their work; ``train`` checks the job and returns it to launch."""
+    job = resolve(args)
+    if args.command == "plan":
+        from fsdp_turbo.cli.plan import print_plan
+
+        print_plan(job, args.world_size, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node)
+        return None
+    if args.command == "data":
+        from fsdp_turbo.cli.data.show import show
+
+        sys.stdout.write(show(job.data, _prepare_data(job), args.show) + "\n")
+        return None
+    _check_train(job, args)
+    return job
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        job = _run_command(args)
+    except ConfigError as error:
+        print(f"fsdp-turbo: {error}", file=sys.stderr)
+        return 2
+    return 0 if job is None else _launch(job, args)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
-"""Progress on rank 0: a tqdm bar, ``metrics.jsonl`` (a row per step), ``loss.png`` and,
-when asked, TensorBoard event files."""
+"""Progress on rank 0: a tqdm bar on a terminal, else a plain log line per logging interval;
+``metrics.jsonl`` (a row per step), ``loss.png`` and, when asked, TensorBoard event files."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.logging import get_logger
@@ -175,7 +176,68 @@ def plot_loss(output_dir: str | Path) -> Path:
     return path
 
 
-def progress_bar(total: int, initial: int, enabled: bool):
-    from tqdm import tqdm
+def _shown(row: dict[str, Any]) -> dict[str, str]:
+    """The figures a progress display shows of a metrics row, formatted, in order."""
+    shown = {"loss": f"{row['loss']:.4f}"}
+    if "eval_loss" in row:
+        shown["eval"] = f"{row['eval_loss']:.4f}"
+    if "mfu" in row:
+        shown["mfu"] = f"{row['mfu']:.1%}"
+    shown.update(tok_s=f"{row['tokens_per_s']:,.0f}", tflops=f"{row['tflops_per_rank']:.3f}",
+                 peak_mem=f"{row['peak_memory_mib']:,.0f}MiB")
+    return shown
 
-    return tqdm(total=total, initial=initial, disable=not enabled, dynamic_ncols=True, unit="step")
+
+def progress_line(row: dict[str, Any], total: int) -> str:
+    """One step's plain progress line: ``step 3/100 | loss 5.4321 | eval 5.1234 | tok/s 1,234 | ...``."""
+    shown = _shown(row)
+    names = {"tok_s": "tok/s", "tflops": "TFLOPS/rank", "peak_mem": "peak mem"}
+    parts = [f"step {row['step']}/{total}", *(f"{names.get(k, k)} {v}" for k, v in shown.items())]
+    if row.get("skipped"):
+        parts.append("skipped (not finite)")
+    return " | ".join(parts)
+
+
+class ProgressBar:
+    """tqdm's bar, for a terminal: one line redrawn in place."""
+
+    def __init__(self, total: int, initial: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, unit="step")
+
+    def show(self, row: dict[str, Any]) -> None:
+        self.bar.set_postfix(**_shown(row))
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class ProgressLines:
+    """Plain lines through the library's logger, for a log file (Slurm, Kubernetes, CI): a
+    redrawn bar there is one line of carriage returns that grows by the step."""
+
+    def __init__(self, total: int, last: int, every: int) -> None:
+        self.total, self.last, self.every = total, last, every
+
+    def show(self, row: dict[str, Any]) -> None:
+        if row["step"] % self.every == 0 or row["step"] == self.last:
+            _log.info(progress_line(row, self.total))
+
+    def close(self) -> None:
+        return None
+
+
+Progress = ProgressBar | ProgressLines
+
+
+def progress(total: int, initial: int, last: int, *, enabled: bool, every: int = 1,
+             stream: TextIO | None = None) -> Progress:
+    """Rank 0's progress display: the bar when ``stream`` (the bar's and the logger's,
+    stderr by default) is a terminal, else a line every ``every`` steps and at ``last``.
+    Other ranks (``enabled`` false) get the lines, which the rank-0 logger keeps quiet."""
+    stream = sys.stderr if stream is None else stream
+    if enabled and stream.isatty():
+        return ProgressBar(total, initial)
+    return ProgressLines(total, last, every)

@@ -2,6 +2,13 @@
 
     python -m torch.distributed.run --nproc-per-node 4 -m fsdp_turbo.cli.worker JOB.yaml
 
+Started by ``fsdp-turbo train``, a worker takes the job the launcher resolved (overrides
+applied, checked; ``cli.resolved_job``); started by torchrun directly, the job file as it is.
+
+The steps, in order: setup (sizes, process group, fault hooks), model, data, parallelize,
+weights, optimizer, resume, then the loop (train step, eval, report, save) and the finish
+(the model in transformers' layout, the loss plot).
+
 Whatever one rank can fail at alone (a file its node cannot read, a rank-0 write, a batch)
 is followed by an all-ranks agreement (``core.agreement``): every rank then stops at
 once with that rank's message, instead of waiting in its next collective for the timeout.
@@ -25,13 +32,15 @@ import torch.distributed as dist
 from fsdp_turbo.checkpoint import materialize, save_pretrained
 from fsdp_turbo.cli import faults as fault_injection
 from fsdp_turbo.cli.checkpoint import Resume, load_checkpoint, new_run_id, resolve_resume, save_checkpoint
-from fsdp_turbo.cli.data import EvalSet, TrainStream, load_data
+from fsdp_turbo.cli.data import Batch, EvalSet, JobData, TrainStream, load_data
 from fsdp_turbo.cli.evaluation import check_eval_set, evaluate, items_per_rank
 from fsdp_turbo.cli.flops import flops_per_token
 from fsdp_turbo.cli.job_config import JobConfig
-from fsdp_turbo.cli.metrics import MetricsLog, TensorBoardLog, peak_tflops, plot_loss, progress_bar
+from fsdp_turbo.cli.metrics import MetricsLog, Progress, TensorBoardLog, peak_tflops, plot_loss, progress
 from fsdp_turbo.cli.model import build_model, fill_weights
 from fsdp_turbo.cli.optim import build_optimizer, build_scheduler, clip_grad_norm
+from fsdp_turbo.cli.resolved_job import load_job
+from fsdp_turbo.cli.sizes import JobSizes, job_sizes
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.device import (
     current_device,
@@ -97,17 +106,60 @@ class Session:
     state: ParallelState
     device: torch.device
     run_id: str
-    start: int  # the last step already done (0 for a fresh start)
-    skipped: int
-    accumulation: int
+    sizes: JobSizes
     flops_per_token: float
-    faults: fault_injection.Faults | None
+    hooks: fault_injection.Hooks
+    start: int = 0  # the last step already done (0 for a fresh start)
+    skipped: int = 0
     metrics: MetricsLog | None = None  # rank 0
     board: TensorBoardLog | None = None  # rank 0, when asked for
 
     @property
     def rank0(self) -> bool:
         return self.state.rank == 0
+
+
+# ----- setup ---------------------------------------------------------------------------------
+
+
+def _start_group(job: JobConfig, world: int) -> FailFast | None:
+    """The process group of a launched job, and the watch that ends every rank at once on one
+    rank's error; ``None`` without one (one process, or a group the caller made)."""
+    if world == 1 or dist.is_initialized():
+        return None
+    init_process_group(detect_device_type(job.turbo.device_type), job.run.collective_timeout_s)
+    # What torchrun's agent on this node gave this worker (the device index and the node
+    # layout come from these); a multi-node log shows every rank's place.
+    _log.info(f"rank {dist.get_rank()}: local rank {os.environ.get('LOCAL_RANK')} of "
+              f"{os.environ.get('LOCAL_WORLD_SIZE')} on node {os.environ.get('GROUP_RANK')}", all_ranks=True)
+    return FailFast.from_environment()
+
+
+def _end_group(watch: FailFast | None) -> None:
+    if watch is not None:
+        watch.close()
+        dist.barrier()  # no rank's watcher is still looking when rank 0 exits with the store
+
+
+# ----- model, data, optimizer, resume ---------------------------------------------------------
+
+
+def _model(job: JobConfig, device: torch.device) -> torch.nn.Module:
+    with every_rank_or_none("build the model", device):
+        return build_model(job.model)  # on the meta device
+
+
+def _data(job: JobConfig, model: torch.nn.Module, device: torch.device) -> JobData:
+    with every_rank_or_none("load the data", device):
+        return load_data(job.data, Path(job.output_dir), job.run.seed,
+                         vocab_size=getattr(model.config, "vocab_size", None),
+                         ignore_index=job.turbo.model_facts.ignore_index)
+
+
+def _parallelize(job: JobConfig, model: torch.nn.Module) -> torch.nn.Module:
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    return FSDPTurbo(job.turbo, model)
 
 
 def _resume_point(job: JobConfig, resume: str, device: torch.device) -> Resume:
@@ -118,45 +170,70 @@ def _resume_point(job: JobConfig, resume: str, device: torch.device) -> Resume:
     return point
 
 
-def _setup(job: JobConfig, resume: str, accumulation: int, faults) -> Session:
-    """Everything before step 1, each part agreed on by every rank."""
-    run, output = job.run, Path(job.output_dir)
-    device = current_device(detect_device_type(job.turbo.device_type))
-    with every_rank_or_none("build the model", device):
-        model = build_model(job.model)  # on the meta device
-    with every_rank_or_none("load the data", device):
-        data = load_data(job.data, output, run.seed, vocab_size=getattr(model.config, "vocab_size", None))
-    tokens_flops = flops_per_token(model, job.data.seq_len)
-    from fsdp_turbo.fsdp_turbo import FSDPTurbo
-
-    model = FSDPTurbo(job.turbo, model)
-    state = model.parallel_state
-    point = _resume_point(job, resume, device)
-    if point.checkpoint is None:
-        report = fill_weights(model, job.model, run.seed)
-        if report is not None:
-            _log.info(f"loaded {job.model.model_name_or_path}: this rank read {report.read_bytes / 2**20:,.1f} MiB "
-                      f"of {report.checkpoint_bytes / 2**20:,.1f} MiB")
-    else:
-        materialize(model)  # the values come from the checkpoint below
-    optimizer = build_optimizer(list(model.parameters()), job.optimizer)
-    scheduler = build_scheduler(optimizer, job.optimizer, run.steps)
-    session = Session(job, model, optimizer, scheduler, data.train, data.eval, state, device, point.run, 0, 0,
-                      accumulation, tokens_flops, faults)
+def _weights(job: JobConfig, model: torch.nn.Module, point: Resume) -> None:
+    """The starting weights: the job's (a checkpoint folder, or ``init_weights``), or none yet
+    when a training checkpoint is resumed (its values are loaded over these)."""
     if point.checkpoint is not None:
-        meta = load_checkpoint(point.checkpoint, model, optimizer, device)
-        with every_rank_or_none("resume", device):
-            scheduler.load_state_dict(meta["scheduler"])
-            session.loader.load_state_dict(meta["data"])
-            session.start, session.skipped = int(meta["step"]), int(meta.get("skipped_steps", 0))
-        _log.info(f"resumed from {point.checkpoint} at step {session.start}")
-    if session.held_out is not None:  # a set too small, or without loss, fails now, not at the first evaluation
-        check_eval_set(session.held_out, run.micro_batch, job.data.eval.batches, state.dp_rank, state.dp_size, device)
-    with every_rank_or_none("open the logs", device):
+        materialize(model)
+        return
+    report = fill_weights(model, job.model, job.run.seed)
+    if report is not None:
+        _log.info(f"loaded {job.model.model_name_or_path}: this rank read {report.read_bytes / 2**20:,.1f} MiB "
+                  f"of {report.checkpoint_bytes / 2**20:,.1f} MiB")
+
+
+def _optimizer(job: JobConfig, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    optimizer = build_optimizer(list(model.parameters()), job.optimizer)
+    return optimizer, build_scheduler(optimizer, job.optimizer, job.run.steps)
+
+
+def _resume(session: Session, point: Resume) -> None:
+    """Model, optimizer, schedule, data position and step from the training checkpoint, if any."""
+    if point.checkpoint is None:
+        return
+    meta = load_checkpoint(point.checkpoint, session.model, session.optimizer, session.device)
+    with every_rank_or_none("resume", session.device):
+        session.scheduler.load_state_dict(meta["scheduler"])
+        session.loader.load_state_dict(meta["data"])
+        session.start, session.skipped = int(meta["step"]), int(meta.get("skipped_steps", 0))
+    _log.info(f"resumed from {point.checkpoint} at step {session.start}")
+
+
+def _check_eval(session: Session) -> None:
+    """A held-out set too small, or without loss, fails now, not at the first evaluation."""
+    if session.held_out is not None:
+        state = session.state
+        check_eval_set(session.held_out, session.job.run.micro_batch, session.job.data.eval.batches,
+                       state.dp_rank, state.dp_size, session.device)
+
+
+def _open_logs(session: Session) -> None:
+    output = Path(session.job.output_dir)
+    with every_rank_or_none("open the logs", session.device):
         if session.rank0:
             session.metrics = MetricsLog(output, session.start)
-            session.board = TensorBoardLog(output) if job.logging.tensorboard else None
+            session.board = TensorBoardLog(output) if session.job.logging.tensorboard else None
+
+
+def _setup(job: JobConfig, resume: str, sizes: JobSizes, hooks: fault_injection.Hooks) -> Session:
+    """Everything before step 1, each part agreed on by every rank."""
+    device = current_device(detect_device_type(job.turbo.device_type))
+    model = _model(job, device)
+    data = _data(job, model, device)
+    tokens_flops = flops_per_token(model, job.data.seq_len)  # of the model as built, before any transform
+    model = _parallelize(job, model)
+    point = _resume_point(job, resume, device)
+    _weights(job, model, point)
+    optimizer, scheduler = _optimizer(job, model)
+    session = Session(job, model, optimizer, scheduler, data.train, data.eval, model.parallel_state, device,
+                      point.run, sizes, tokens_flops, hooks)
+    _resume(session, point)
+    _check_eval(session)
+    _open_logs(session)
     return session
+
+
+# ----- the loop: train step, eval, report, save ------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -169,40 +246,63 @@ class StepResult:
     step_s: float
 
 
-def _train_step(session: Session, step: int) -> StepResult:
-    job, state, device = session.job, session.state, session.device
-    began = time.perf_counter()
-    total = torch.zeros((), device=device)
-    with every_rank_or_none(f"read the batches of step {step}", device):
-        batches = [session.loader.next_batch(job.run.micro_batch, state.dp_rank, state.dp_size)
-                   for _ in range(session.accumulation)]
-    data_wait = time.perf_counter() - began  # the loop waits for nothing else before the forward
+def _batches(session: Session, step: int) -> list[Batch]:
+    """This shard's micro-batches of ``step``."""
+    state, micro_batch = session.state, session.job.run.micro_batch
+    with every_rank_or_none(f"read the batches of step {step}", session.device):
+        return [session.loader.next_batch(micro_batch, state.dp_rank, state.dp_size)
+                for _ in range(session.sizes.accumulation)]
+
+
+def _forward_backward(session: Session, step: int, batches: list[Batch]) -> float:
+    """Gradients of the step's loss, accumulated; the loss, the same on every rank."""
+    device = session.device
     items = items_per_rank(batches, device)  # the step's loss is its global token mean (see evaluation)
-    poisoned = session.faults is not None and session.faults.nan_loss(step)
+    total = torch.zeros((), device=device)
     for batch in batches:
         loss = session.model(**batch.to(device).model_inputs(), num_items_in_batch=items).loss
-        if poisoned:
-            loss = loss * float("nan")
+        loss = session.hooks.on_loss(step, loss)
         loss.backward()
         total += loss.detach()
-    # Both are the same on every rank (a world mean, a global norm), so every rank decides alike.
-    loss_value = _world_mean(total)
-    grad_norm = clip_grad_norm(list(session.model.parameters()), job.optimizer.grad_clip)
-    lr = session.scheduler.get_last_lr()[0]
-    finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
-    if not finite:
-        session.skipped = _on_nonfinite(job.run, step, loss_value, grad_norm, session.skipped)
-    else:
+    return _world_mean(total)
+
+
+def _update(session: Session, step: int, loss: float, grad_norm: float) -> bool:
+    """The optimizer and schedule step, or a skip (or stop) for a non-finite step; whether it
+    was finite. Loss and norm are the same on every rank, so every rank decides alike."""
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if finite:
         session.optimizer.step()
         session.scheduler.step()
+    else:
+        session.skipped = _on_nonfinite(session.job.run, step, loss, grad_norm, session.skipped)
     session.optimizer.zero_grad(set_to_none=True)  # a dropped step leaves no update behind
-    return StepResult(loss_value, grad_norm, lr, finite, data_wait, time.perf_counter() - began)
+    return finite
+
+
+def _train_step(session: Session, step: int) -> StepResult:
+    began = time.perf_counter()
+    batches = _batches(session, step)
+    data_wait = time.perf_counter() - began  # the loop waits for nothing else before the forward
+    loss = _forward_backward(session, step, batches)
+    grad_norm = clip_grad_norm(list(session.model.parameters()), session.job.optimizer.grad_clip)
+    lr = session.scheduler.get_last_lr()[0]
+    finite = _update(session, step, loss, grad_norm)
+    return StepResult(loss, grad_norm, lr, finite, data_wait, time.perf_counter() - began)
+
+
+def _eval(session: Session, step: int) -> dict[str, float]:
+    """The held-out loss where ``step`` is an evaluation step; else nothing."""
+    job, state = session.job, session.state
+    if session.held_out is None or step % job.data.eval.every:
+        return {}
+    return evaluate(session.model, session.held_out, job.run.micro_batch, job.data.eval.batches,
+                    state.dp_rank, state.dp_size, session.device)
 
 
 def _metrics_row(session: Session, step: int, result: StepResult, evaluation: dict[str, float]) -> dict[str, Any]:
-    job, state = session.job, session.state
-    tokens_per_step = job.run.micro_batch * state.dp_size * session.accumulation * job.data.seq_len
-    tokens_per_s = tokens_per_step / result.step_s
+    state = session.state
+    tokens_per_s = session.sizes.rows_per_step * session.job.data.seq_len / result.step_s
     tflops = session.flops_per_token * tokens_per_s / state.world_size / 1e12
     row = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
            "tokens_per_s": tokens_per_s, "tflops_per_rank": tflops,
@@ -217,28 +317,42 @@ def _metrics_row(session: Session, step: int, result: StepResult, evaluation: di
     return row
 
 
-def _report(session: Session, step: int, row: dict[str, Any], bar) -> None:
-    """Rank 0 writes the row (metrics.jsonl, TensorBoard, the bar); every rank agrees it did."""
+def _report(session: Session, step: int, row: dict[str, Any], shown: Progress) -> None:
+    """Rank 0 writes the row (metrics.jsonl, TensorBoard, the progress); every rank agrees it did."""
     with every_rank_or_none(f"write the metrics of step {step}", session.device):
         if session.rank0:
             session.metrics.write(row)
             if session.board is not None:
                 session.board.write(row)
-            shown = {"eval": f"{row['eval_loss']:.4f}"} if "eval_loss" in row else {}
-            if "mfu" in row:
-                shown["mfu"] = f"{row['mfu']:.1%}"
-            bar.set_postfix(loss=f"{row['loss']:.4f}", **shown, tok_s=f"{row['tokens_per_s']:,.0f}",
-                            tflops=f"{row['tflops_per_rank']:.3f}", peak_mem=f"{row['peak_memory_mib']:,.0f}MiB")
-            bar.update(1)
+            shown.show(row)
+
+
+def _save_due(job: JobConfig, step: int, last: int) -> bool:
+    save_every = job.checkpoint.save_every
+    return bool(save_every and step % save_every == 0) or step == last
 
 
 def _save(session: Session, step: int) -> None:
     loader, state = session.loader, session.state
     extra = {"scheduler": session.scheduler.state_dict(), "data": loader.state_dict(),
              "world_size": state.world_size, "layout": state.describe(), "skipped_steps": session.skipped}
-    crash = session.faults is not None and session.faults.crash_during_save(step)
     save_checkpoint(session.job.output_dir, session.run_id, step, session.model, session.optimizer, extra,
-                    session.job.checkpoint.keep, session.device, crash_after_shards=crash)
+                    session.job.checkpoint.keep, session.device, **session.hooks.save_options(step))
+
+
+def _loop(session: Session, last: int) -> None:
+    """Steps ``start + 1`` to ``last``: train, evaluate, report, let the hooks in, save."""
+    job = session.job
+    shown = progress(job.run.steps, session.start, last, enabled=session.rank0, every=job.logging.every)
+    for step in range(session.start + 1, last + 1):
+        result = _train_step(session, step)
+        _report(session, step, _metrics_row(session, step, result, _eval(session, step)), shown)
+        session.hooks.after_step(step, session.state.rank)
+        if _save_due(job, step, last):
+            _save(session, step)
+    shown.close()
+    if session.board is not None:
+        session.board.close()
 
 
 def _finish(session: Session) -> None:
@@ -250,73 +364,46 @@ def _finish(session: Session) -> None:
             plot_loss(output)
 
 
-def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None) -> dict:
-    """Train ``job`` from its latest checkpoint (``resume``). ``stop_at_step`` ends the run
-    cleanly after that step, with a checkpoint, as at the end of a time-limited allocation;
-    the learning-rate schedule still spans ``run.steps``."""
-    run = job.run
-    # Checked before any process group: sizes, the accumulation a global batch implies, and
-    # the fault-injection variable (tests only; see cli.faults).
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    accumulation = run.accumulation(job.turbo.validate(world).dp_replicate_x_fsdp)
-    faults = fault_injection.arm()
-    watch = None
-    if world > 1 and not dist.is_initialized():
-        init_process_group(detect_device_type(job.turbo.device_type), run.collective_timeout_s)
-        # What torchrun's agent on this node gave this worker (the device index and the
-        # node layout come from these); a multi-node log shows every rank's place.
-        _log.info(f"rank {dist.get_rank()}: local rank {os.environ.get('LOCAL_RANK')} of "
-                  f"{os.environ.get('LOCAL_WORLD_SIZE')} on node {os.environ.get('GROUP_RANK')}", all_ranks=True)
-        watch = FailFast.from_environment()  # a group this worker made: its errors end every rank at once
-    try:
-        result = _run(job, resume, stop_at_step, accumulation, faults)
-    except BaseException as error:
-        if watch is not None:
-            watch.post(error)
-        raise
-    if watch is not None:
-        watch.close()
-        dist.barrier()  # no rank's watcher is still looking when rank 0 exits with the store
-    return result
+# ----- the whole run ---------------------------------------------------------------------------
 
 
-def _run(job: JobConfig, resume: str, stop_at_step: int | None, accumulation: int, faults) -> dict:
-    run = job.run
-    session = _setup(job, resume, accumulation, faults)
-    bar = progress_bar(run.steps, session.start, session.rank0)
-    last = min(run.steps, stop_at_step) if stop_at_step is not None else run.steps
-    for step in range(session.start + 1, last + 1):
-        result = _train_step(session, step)
-        evaluation = {}
-        if session.held_out is not None and step % job.data.eval.every == 0:
-            state = session.state
-            evaluation = evaluate(session.model, session.held_out, run.micro_batch, job.data.eval.batches,
-                                  state.dp_rank, state.dp_size, session.device)
-        _report(session, step, _metrics_row(session, step, result, evaluation), bar)
-        if faults is not None:
-            faults.after_step(step, session.state.rank)
-        save_every = job.checkpoint.save_every
-        if (save_every and step % save_every == 0) or step == last:
-            _save(session, step)
-    bar.close()
-    if session.board is not None:
-        session.board.close()
-    if last == run.steps:
+def _run(job: JobConfig, resume: str, stop_at_step: int | None, sizes: JobSizes,
+         hooks: fault_injection.Hooks) -> dict:
+    session = _setup(job, resume, sizes, hooks)
+    last = min(job.run.steps, stop_at_step) if stop_at_step is not None else job.run.steps
+    _loop(session, last)
+    if last == job.run.steps:
         _finish(session)
     return {"last_step": last, "resumed_from": session.start, "run": session.run_id}
 
 
+def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None) -> dict:
+    """Train ``job`` from its latest checkpoint (``resume``). ``stop_at_step`` ends the run
+    cleanly after that step, with a checkpoint, as at the end of a time-limited allocation;
+    the learning-rate schedule still spans ``run.steps``."""
+    # Checked before any process group: the sizes and the accumulation at this world, and the
+    # fault-injection variable (tests only; see cli.faults).
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sizes = job_sizes(job, world)
+    hooks = fault_injection.hooks()
+    watch = _start_group(job, world)
+    try:
+        result = _run(job, resume, stop_at_step, sizes, hooks)
+    except BaseException as error:
+        if watch is not None:
+            watch.post(error)
+        raise
+    _end_group(watch)
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one rank of fsdp-turbo train")
-    parser.add_argument("config")
-    parser.add_argument("--max-steps", type=int)
-    parser.add_argument("--output-dir")
-    parser.add_argument("--save-every", type=int)
+    parser.add_argument("config", help="the job file (its resolved form comes from fsdp-turbo train)")
     parser.add_argument("--resume", default="auto")
     parser.add_argument("--stop-at-step", type=int)
     args = parser.parse_args(argv)
-    job = JobConfig.from_file(args.config).with_overrides(
-        max_steps=args.max_steps, output_dir=args.output_dir, save_every=args.save_every)
+    job = load_job(args.config)
     # DTensor's note that a 2-D (efsdp x ep) gradient norm takes two all-reduces, every step.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     train(job, args.resume, args.stop_at_step)
