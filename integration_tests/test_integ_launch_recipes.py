@@ -124,7 +124,10 @@ def test_the_sbatch_command_line_becomes_a_two_node_c10d_torchrun(tmp_path):
     assert "--standalone" not in launch
     worker = launch[launch.index("-m"):]
     assert worker[:3] == ["-m", "fsdp_turbo.cli.worker", str(JOB_FILE)]
-    assert worker[worker.index("--output-dir") + 1] == str(tmp_path / "out")
+    # the overrides reach the workers through the resolved job, applied once by the launcher
+    from fsdp_turbo.cli.main import resolve
+
+    assert "--output-dir" not in worker and resolve(args).output_dir == str(tmp_path / "out")
     assert args.config == str(JOB_FILE)
     # the check `fsdp-turbo train` does before it launches: 2 x 8 ranks fit the job's sizes
     from fsdp_turbo.cli.job_config import JobConfig
