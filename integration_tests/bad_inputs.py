@@ -203,6 +203,9 @@ CASES: dict[str, Case] = {
     "chunk loss head missing": Case("config", lambda _i: _facade(
         {"chunk_loss": True, "model_facts": {"head_module": "no_head"}}), "model_facts.head_module"),
     "quantization converter unknown": _config({"quantization_plan": {"converters": ["fp4_magic"]}}),
+    # turbo-quant's own format table, published under fsdp_turbo.choices, checks it when the config is built
+    "quantization format unknown": Case("config", lambda _i: _facade(
+        {"quantization_plan": {"quant_format": "E3M4"}}), "quantization_plan.quant_format"),
     "quantization of the output head": Case("config", lambda _i: _facade(
         {"quantization_plan": {"apply_modules": ["lm_head"]}}), "output head"),
     "quantization converts nothing": Case("config", lambda _i: _facade(

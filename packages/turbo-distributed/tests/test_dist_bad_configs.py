@@ -46,7 +46,6 @@ CASES = {
     "ep_does_not_divide_world": ({"expert_parallel_size": 3, "ep_plan": {}}, "expert_parallel_size"),
     "unknown_dispatcher": ({"expert_parallel_size": 2, "ep_plan": {"dispatcher": "allgather"}},
                            "ep_plan.dispatcher"),
-    "unknown_quant_format": ({"quantization_plan": {"quant_format": "E3M4"}}, "quantization_plan.quant_format"),
     "unknown_field": ({"fully_shard_parallel_sise": 4}, "fully_shard_parallel_sise"),
     "tp_pattern_matches_non_linear": ({"tensor_parallel_size": 2,
                                        "tp_plan": {"colwise_parallel": ["model.layers.*.mlp"]}},
