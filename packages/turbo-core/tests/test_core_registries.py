@@ -11,13 +11,6 @@ from fsdp_turbo.core.logging import get_logger, warn_once
 from fsdp_turbo.core.plugin import Stage, Transform, TransformRegistry
 
 
-@pytest.fixture
-def op_name():
-    name = "test_scale"
-    yield name
-    ops.unregister_op(name)
-
-
 def test_portable_fallback_and_device_kernel(op_name, caplog):
     @ops.register_op(op_name)
     def portable(x):

@@ -7,13 +7,6 @@ from fsdp_turbo.core import ops as core_ops
 from fsdp_turbo.ops import registry
 
 
-@pytest.fixture
-def op_name():
-    name = "test_upstream_registry_op"
-    yield name
-    core_ops.unregister_op(name)
-
-
 def test_get_op_takes_the_current_device_and_shares_the_core_registry(op_name, monkeypatch):
     monkeypatch.setenv("FSDP_TURBO_DEVICE", "cpu")  # the current device, as a launcher would set it
 
