@@ -38,6 +38,7 @@ quantization_plan      QuantizeConfig (or None) it is given: the plan is the swi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -72,12 +73,34 @@ __all__ = [
 ]
 
 SCALE_MODES = ("floor", "rceil")
+FSDP_IMPLEMENTATIONS = ("native",)  # torch's fully_shard; the upstream's fine-grained FSDP is not here
 RECOMPUTE_POLICIES = ("full", "selective")
 
 
 def _set(obj: Any, name: str, value: Any) -> None:
     # Frozen dataclasses normalise their own fields once, in __post_init__.
     object.__setattr__(obj, name, value)
+
+
+def unit_patterns(value: Any, field: str) -> Any:
+    """The upstream's ``{pattern: per-unit settings}`` form as a pattern list; any other value
+    as it is. Per-unit settings are refused: this package sets units through the section's fields."""
+    if not isinstance(value, Mapping):
+        return value
+    for pattern, settings in value.items():
+        if settings not in ({}, None):
+            raise ConfigError(f"{field}[{pattern!r}]", settings, "give the settings as fsdp_plan fields "
+                              "(param_dtype, reshard_after_forward, ...) and list the pattern alone",
+                              reason="per-unit fully_shard settings are not supported")
+    return list(value)
+
+
+def _fsdp_implementation(value: Any, field: str) -> str:
+    if isinstance(value, str) and value.strip().lower() in FSDP_IMPLEMENTATIONS:
+        return value.strip().lower()
+    raise ConfigError(field, value, f"use one of {list(FSDP_IMPLEMENTATIONS)}",
+                      reason="this package shards with torch's fully_shard only; the upstream's own "
+                             "fine-grained FSDP is not part of it")
 
 
 @dataclass(frozen=True)
@@ -106,7 +129,9 @@ class FSDPPlanConfig(ConfigSection):
 
     apply_modules: tuple[str, ...] | None = None
     """Patterns of the FSDP units (outermost matches), e.g. ``["model.layers.*"]``. Unset: the model
-    facts' repeated blocks. The root is always a unit too, wrapped last."""
+    facts' repeated blocks. The root is always a unit too, wrapped last. The upstream mapping form
+    ``{pattern: {}}`` is read as its patterns (``{}``: no unit but the root); per-unit settings in
+    it are refused (give them as this section's fields)."""
 
     ignored_modules: tuple[str, ...] = ()
     """Patterns of modules FSDP leaves alone: their parameters stay whole on every rank and are
@@ -153,10 +178,25 @@ class FSDPPlanConfig(ConfigSection):
     """Whether sharded parameters, gradients and the optimizer step live on the host (FSDP2's
     ``CPUOffloadPolicy``)."""
 
+    hook_modules: tuple[str, ...] = ()
+    """Patterns of modules (e.g. the decoder layers) whose forward start all-gathers every FSDP unit
+    inside them, expert units included, at once rather than unit by unit when each is reached: one
+    gathering point per block, as the upstream's hook modules give (there through its own FSDP;
+    here through ``unshard(async_op=True)`` of torch's). The same numbers; only when the
+    all-gathers are issued changes."""
+
+    fsdp_implementation: str = "native"
+    """Which FSDP implements the units: ``"native"`` (torch's ``fully_shard``), the only one this
+    package has. The upstream's own fine-grained FSDP is not in it; asking for another is an error,
+    never a fallback."""
+
 
     def __post_init__(self) -> None:
         p = self._prefix
-        _set(self, "apply_modules", check_optional_patterns(self.apply_modules, f"{p}.apply_modules"))
+        _set(self, "apply_modules", check_optional_patterns(unit_patterns(self.apply_modules, f"{p}.apply_modules"),
+                                                            f"{p}.apply_modules"))
+        _set(self, "hook_modules", check_patterns(self.hook_modules, f"{p}.hook_modules"))
+        _set(self, "fsdp_implementation", _fsdp_implementation(self.fsdp_implementation, f"{p}.fsdp_implementation"))
         _set(self, "ignored_modules", check_patterns(self.ignored_modules, f"{p}.ignored_modules"))
         _set(self, "keep_after_forward", check_patterns(self.keep_after_forward, f"{p}.keep_after_forward"))
         if isinstance(self.unit_groups, str) or not isinstance(self.unit_groups, list | tuple):
@@ -216,7 +256,7 @@ class TPPlanConfig(ConfigSection):
         return not (self.colwise_parallel or self.rowwise_parallel)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=False, eq=True)  # see __setattr__: one field may be set later
 class EPPlanConfig(ConfigSection):
     """Expert-parallel plan: which expert containers to shard, and how tokens reach them."""
 
@@ -235,11 +275,43 @@ class EPPlanConfig(ConfigSection):
     """Token chunks of the ``mc2`` dispatcher: chunk i+1's all-to-all is in flight while chunk i
     computes. More chunks overlap more, each with smaller GEMMs."""
 
+    apply_efsdp_modules: tuple[str, ...] | None = None
+    """Patterns of the modules whose expert containers expert FSDP shards on the expert mesh, e.g.
+    ``["model.layers.*.mlp"]``. Only the expert containers inside a match are sharded there: a
+    router or shared expert beside them stays with the dense FSDP. Every expert container must
+    be inside one. Unset: every expert container."""
+
+    gradient_divide_factor: float | None = None
+    """What expert gradients are divided by. Each EP rank's expert gradient sums every source
+    rank's tokens (the all-to-all's backward), so the mean over the job's data-parallel ranks
+    divides by their count. Unset: the dense data-parallel size (facade), or the EP x expert-FSDP
+    mesh sizes (module API). The one field that may be set after the plan is built, as the
+    upstream's clients do (``ep_plan.gradient_divide_factor = float(ep * efsdp)``)."""
+
 
     def __post_init__(self) -> None:
         _set(self, "apply_modules", check_optional_patterns(self.apply_modules, "ep_plan.apply_modules"))
         _set(self, "dispatcher", check_published_choice(self.dispatcher, "ep_plan.dispatcher"))
         check_int(self.num_chunks, "ep_plan.num_chunks", minimum=1)
+        _set(self, "apply_efsdp_modules",
+             check_optional_patterns(self.apply_efsdp_modules, "ep_plan.apply_efsdp_modules"))
+        _set(self, "gradient_divide_factor", _divide_factor(self.gradient_divide_factor))
+        _set(self, "_sealed", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Read-only like every section, but for the divide factor: it is validated on the way in.
+        if not getattr(self, "_sealed", False):
+            _set(self, name, value)
+        elif name == "gradient_divide_factor":
+            _set(self, name, _divide_factor(value))
+        else:
+            raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r} (of ep_plan only "
+                                                  "gradient_divide_factor may be set after it is built)")
+
+
+def _divide_factor(value: Any) -> float | None:
+    field_name = "ep_plan.gradient_divide_factor"
+    return None if value is None else check_float(value, field_name, minimum=0.0, strict=True)
 
 
 @moved_fields({name: f"model_facts.{name}"

@@ -27,6 +27,7 @@ class EPPlan(FeaturePlan):
     containers: tuple[tuple[str, ExpertAdapter], ...]
     dispatcher: str
     num_chunks: int
+    gradient_divide_factor: float | None = None  # None: the dense data-parallel size
 
     @property
     def container_names(self) -> tuple[str, ...]:
@@ -77,4 +78,31 @@ def resolve_ep_plan(model: nn.Module, plan: EPPlanConfig, ep_size: int, facts: M
                               f"use a divisor of the number of experts ({adapter.num_experts})",
                               reason=f"{name} has {adapter.num_experts} experts")
         containers.append((name, adapter))
-    return EPPlan(ep_size, tuple(containers), plan.dispatcher, plan.num_chunks)
+    return EPPlan(ep_size, tuple(containers), plan.dispatcher, plan.num_chunks, plan.gradient_divide_factor)
+
+
+def _inside(name: str, parent: str) -> bool:
+    return name == parent or name.startswith(parent + ".")
+
+
+def containers_to_shard(model: nn.Module, patterns: tuple[str, ...] | None, containers: tuple[str, ...], *,
+                        require_all: bool) -> tuple[str, ...]:
+    """The expert containers inside the modules ``ep_plan.apply_efsdp_modules`` picks (every one
+    when unset). Only they shard on the expert mesh: a router beside them in a picked ``mlp``
+    must not, or its gradient would be reduced over the expert-FSDP ranks alone. With
+    ``require_all`` every container must be picked: one left out would be neither sharded nor
+    reduced over the expert-FSDP ranks."""
+    if patterns is None:
+        return containers
+    field = "ep_plan.apply_efsdp_modules"
+    targets = match_modules(model, patterns, field=field)
+    chosen = tuple(name for name in containers if any(_inside(name, target) for target in targets))
+    if not chosen:
+        raise ConfigError(field, list(patterns), "pick the modules that hold the expert containers, e.g. "
+                          "['model.layers.*.mlp']", reason=f"no expert container is inside {sorted(targets)}")
+    missing = [name for name in containers if name not in chosen]
+    if missing and require_all:
+        raise ConfigError(field, list(patterns), f"add a pattern that picks {missing[0]!r} (or leave the field "
+                          "unset: every expert container)", reason=f"{len(missing)} expert containers are "
+                          "inside no pick; they would be neither sharded nor reduced over the expert-FSDP ranks")
+    return chosen

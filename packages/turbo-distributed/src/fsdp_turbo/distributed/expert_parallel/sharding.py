@@ -1,21 +1,27 @@
 """Expert FSDP: expert parameters shard over the ``(edp, efsdp)`` expert mesh, everything
-else over the dense FSDP mesh.
+else over the dense FSDP mesh. One implementation, :func:`fully_shard_experts`, serves the
+facade (:func:`shard_experts`) and the module API (``expert_fully_shard_modules``).
 
 Each EP rank's expert gradients already sum the contributions of every source rank's
 tokens (the all-to-all's backward), so averaging them over the expert mesh alone would
 over-count by ``ep``. Dense and expert parameters must both end as the mean over the
-job's data shards, so the experts divide by the dense data-parallel size instead.
+job's data shards, so the experts divide by the data-parallel size instead. Experts that
+no FSDP reduces (the module API without ``expert_fully_shard_modules``, e.g. at efsdp = 1)
+get the same division from a gradient hook (:func:`divide_expert_gradients`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
 from fsdp_turbo.core.parallel_state import ParallelState
+
+_HOOKS = "ep_gradient_division"  # on an expert container: the handles of its division hooks
 
 
 def expert_fsdp_mesh(state: ParallelState):
@@ -34,22 +40,52 @@ def expert_gradient_divide_factor(state: ParallelState) -> float:
     return float(state.sizes.dp_replicate_x_fsdp * state.sizes.cp)
 
 
-def shard_experts(experts: Mapping[str, nn.Module], state: ParallelState, **fully_shard_kwargs
-                  ) -> Mapping[str, nn.Module]:
+def divide_expert_gradients(container: nn.Module, factor: float) -> None:
+    """Divide each gradient reaching the container's parameters by ``factor``, for experts no
+    FSDP reduces. A tensor hook, so it runs once per backward before accumulation (gradient
+    accumulation stays a sum of means). Replaces earlier division hooks of the container."""
+    stop_dividing_expert_gradients(container)
+    handles = [param.register_hook(lambda grad: grad / factor) for param in container.parameters()]
+    object.__setattr__(container, _HOOKS, handles)
+
+
+def stop_dividing_expert_gradients(container: nn.Module) -> None:
+    for handle in getattr(container, _HOOKS, ()):
+        handle.remove()
+    object.__setattr__(container, _HOOKS, [])
+
+
+def fully_shard_experts(container: nn.Module, mesh, divide_factor: float,
+                        placement: Callable[[nn.Parameter], Shard], **fully_shard_kwargs) -> nn.Module:
+    """``fully_shard`` one expert-parallel container on ``mesh`` (1-D, or 2-D for HSDP), its
+    gradients divided by ``divide_factor`` (FSDP's reduction replaces any division hook)."""
+    stop_dividing_expert_gradients(container)
+    fully_shard(container, mesh=mesh, shard_placement_fn=placement, **fully_shard_kwargs)
+    container.set_gradient_divide_factor(divide_factor)
+    if mesh.device_type != "cuda" and mesh.size() > 1:
+        # A custom divide factor becomes NCCL's PREMUL_SUM; other backends lack it, so
+        # reduce with SUM and scale separately. Not with one shard rank: torch 2.13 then
+        # divides in its copy and again afterwards (and needs no PREMUL_SUM anyway).
+        container.set_force_sum_reduction_for_comms(True)
+    return container
+
+
+def shard_experts(experts: Mapping[str, nn.Module], state: ParallelState, divide_factor: float | None = None,
+                  **fully_shard_kwargs) -> Mapping[str, nn.Module]:
     """``fully_shard`` expert-parallel containers (as ``apply_expert_parallel`` returns them)
-    on the expert mesh; call before the dense units so they leave the expert parameters alone."""
+    on the expert mesh; call before the dense units so they leave the expert parameters alone.
+    ``divide_factor`` defaults to the dense data-parallel size."""
     if not experts:
         return experts
     mesh = expert_fsdp_mesh(state)
+    factor = divide_factor if divide_factor is not None else expert_gradient_divide_factor(state)
     for module in experts.values():
         local = module.ep_experts.num_experts // module.ep_experts.ep_size
-        fully_shard(module, mesh=mesh, shard_placement_fn=expert_placement(local, state.efsdp_size),
-                    **fully_shard_kwargs)
-        module.set_gradient_divide_factor(expert_gradient_divide_factor(state))
-        if state.device_type != "cuda" and state.efsdp_size > 1:
-            # A custom divide factor becomes NCCL's PREMUL_SUM; other backends lack it, so
-            # reduce with SUM and scale separately. Not with one shard rank: torch 2.13 then
-            # divides in its copy and again afterwards (and needs no PREMUL_SUM anyway).
-            module.set_force_sum_reduction_for_comms(True)
+        fully_shard_experts(module, mesh, factor, expert_placement(local, state.efsdp_size), **fully_shard_kwargs)
     return experts
 
+
+def upstream_placement(param: torch.Tensor) -> Shard:
+    """The upstream's expert FSDP placement, which its clients' weight loaders assume (they
+    slice dim 1 by the efsdp rank): Shard(1) for weights, Shard(0) for 1-D biases."""
+    return Shard(1) if param.dim() > 1 else Shard(0)

@@ -10,7 +10,7 @@ from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Plans, Stage, Transform
 from fsdp_turbo.distributed.expert_parallel.dispatchers import ExpertGroup
 from fsdp_turbo.distributed.expert_parallel.module import make_expert_parallel
-from fsdp_turbo.distributed.expert_parallel.plan import EPPlan, resolve_ep_plan
+from fsdp_turbo.distributed.expert_parallel.plan import EPPlan, containers_to_shard, resolve_ep_plan
 from fsdp_turbo.fsdp_turbo_config import EPPlanConfig, FSDPTurboConfig
 
 _log = get_logger(__name__)
@@ -44,7 +44,9 @@ class ExpertParallelTransform(Transform):
 
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
              upstream: Plans, facts: ModelFacts) -> EPPlan:
-        return resolve_ep_plan(model, config.ep_plan, parallel_state.ep_size, facts)
+        plan = resolve_ep_plan(model, config.ep_plan, parallel_state.ep_size, facts)
+        containers_to_shard(model, config.ep_plan.apply_efsdp_modules, plan.container_names, require_all=True)
+        return plan
 
     def apply(self, model: nn.Module, plan: EPPlan, parallel_state: ParallelState) -> nn.Module:
         converted = apply_ep_plan(model, plan, parallel_state.mesh("ep"))

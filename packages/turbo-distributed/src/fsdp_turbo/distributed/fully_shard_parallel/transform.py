@@ -6,14 +6,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 
-from fsdp_turbo.core.device import has_streams
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, Stage, Transform
 from fsdp_turbo.distributed.expert_parallel.sharding import shard_experts
+from fsdp_turbo.distributed.fully_shard_parallel.hook_modules import gather_at_hook_modules
+from fsdp_turbo.distributed.fully_shard_parallel.policies import (
+    mixed_precision_policy,
+    offload_policy,
+    reshard_after_forward,
+)
 from fsdp_turbo.distributed.fully_shard_parallel.units import prefetch_plan, select_units
 from fsdp_turbo.fsdp_turbo_config import FSDPPlanConfig, FSDPTurboConfig
 
@@ -21,27 +26,6 @@ if TYPE_CHECKING:
     from fsdp_turbo.core.memory_estimate import MemoryModel
 
 _log = get_logger(__name__)
-
-
-def mixed_precision_policy(plan: FSDPPlanConfig, *, root: bool) -> MixedPrecisionPolicy:
-    # output_dtype is the dtype of the model's outputs: casting every unit's output would
-    # hand fp32 activations to the next bf16 unit, so only the root casts.
-    return MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
-                                output_dtype=plan.output_dtype if root else None,
-                                cast_forward_inputs=plan.cast_forward_inputs)
-
-
-def reshard_after_forward(plan: FSDPPlanConfig, *, root: bool) -> bool | int:
-    # Unset means FSDP2's own heuristic, spelled out so every torch>=2.9 behaves alike:
-    # units free their parameters after forward; the root keeps them for backward.
-    if plan.reshard_after_forward is None:
-        return not root
-    return plan.reshard_after_forward
-
-
-def offload_policy(plan: FSDPPlanConfig, device_type: str) -> OffloadPolicy:
-    # Pinned host memory only helps where copies can run asynchronously.
-    return CPUOffloadPolicy(pin_memory=has_streams(device_type)) if plan.cpu_offload else OffloadPolicy()
 
 
 def _inside(name: str, prefixes: tuple[str, ...]) -> bool:
@@ -67,6 +51,7 @@ class FSDPPlan(FeaturePlan):
     expert_shards: int  # efsdp
     kept: tuple[str, ...] = ()
     groups: tuple[tuple[str, ...], ...] = ()  # units of several modules (the first names the unit)
+    expert_divide_factor: float | None = None  # ep_plan.gradient_divide_factor; None: the dense DP size
 
     def members(self, unit: str) -> tuple[str, ...]:
         return next((group for group in self.groups if group[0] == unit), (unit,))
@@ -111,13 +96,14 @@ def _prefetch(units: tuple[str, ...], experts: tuple[str, ...], settings: FSDPPl
 
 
 def plan_fully_shard(model: nn.Module, settings: FSDPPlanConfig, state: ParallelState, facts: ModelFacts, *,
-                     experts: tuple[str, ...] = (), chunked_head: str | None = None) -> FSDPPlan:
+                     experts: tuple[str, ...] = (), chunked_head: str | None = None,
+                     expert_divide_factor: float | None = None) -> FSDPPlan:
     selection = select_units(model, settings, facts.blocks)
     units = tuple(selection.units)
     forward, backward = _prefetch(units, experts, settings, chunked_head)
     return FSDPPlan(settings, units, tuple(selection.ignored), experts, forward, backward,
                     state.fsdp_size * state.cp_size, state.efsdp_size, selection.kept,
-                    tuple(selection.groups.values()))
+                    tuple(selection.groups.values()), expert_divide_factor)
 
 
 class FullyShardTransform(Transform):
@@ -135,7 +121,8 @@ class FullyShardTransform(Transform):
         experts, chunk_loss = upstream["expert_parallel"], upstream["chunk_loss"]
         return plan_fully_shard(model, config.fsdp_plan, parallel_state, facts,
                                 experts=experts.container_names if experts is not None else (),
-                                chunked_head=chunk_loss.head if chunk_loss is not None else None)
+                                chunked_head=chunk_loss.head if chunk_loss is not None else None,
+                                expert_divide_factor=experts.gradient_divide_factor if experts is not None else None)
 
     def apply(self, model: nn.Module, plan: FSDPPlan, parallel_state: ParallelState) -> nn.Module:
         settings = plan.settings
@@ -153,12 +140,14 @@ class FullyShardTransform(Transform):
                        "offload_policy": options["offload_policy"]}
         # Experts first, on their own mesh: the dense units then skip their parameters.
         experts = shard_experts({name: model.get_submodule(name) for name in plan.experts}, parallel_state,
-                                **unit_kwargs)
+                                plan.expert_divide_factor, **unit_kwargs)
         for name, unit in zip(plan.units, units, strict=True):
             kwargs = dict(unit_kwargs, reshard_after_forward=False) if name in plan.kept else unit_kwargs
             fully_shard(unit, **kwargs, mesh=options["mesh"], ignored_params=ignored)
         fully_shard(model, mp_policy=mixed_precision_policy(settings, root=True),
                     reshard_after_forward=reshard_after_forward(settings, root=True), **options)
+        gather_at_hook_modules(model, settings.hook_modules, [*experts.values(), *(
+            unit[0] if isinstance(unit, list) else unit for unit in units)])
         for name, targets in plan.forward_prefetch:
             model.get_submodule(name).set_modules_to_forward_prefetch([model.get_submodule(t) for t in targets])
         for name, targets in plan.backward_prefetch:
