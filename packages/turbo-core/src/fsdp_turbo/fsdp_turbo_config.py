@@ -123,6 +123,10 @@ class FSDPPlanConfig(ConfigSection):
     for a final norm and the head (torchtitan's unit; otherwise the norm is the root's).
     A grouped module is in no other unit; the group takes the place of its first module
     in model order, for prefetching and for ``keep_after_forward``.
+
+    The module API's ``expert_fully_shard_modules`` reads the mixed precision, CPU offload,
+    ``reshard_after_forward`` and ``hook_modules`` of the plan it is given; its units are the
+    caller's own FSDP's.
     """
 
     _prefix: ClassVar[str] = "fsdp_plan"
@@ -258,7 +262,13 @@ class TPPlanConfig(ConfigSection):
 
 @dataclass(frozen=False, eq=True)  # see __setattr__: one field may be set later
 class EPPlanConfig(ConfigSection):
-    """Expert-parallel plan: which expert containers to shard, and how tokens reach them."""
+    """Expert-parallel plan: which expert containers to shard, and how tokens reach them.
+
+    Read by the facade and by the upstream module API, which callers with their own meshes use
+    (LLaMA-Factory's ``fsdpturbo`` backend): ``expert_parallelize_modules(model, ep_mesh, ep_plan)``
+    reads ``apply_modules``, ``dispatcher``, ``num_chunks`` and ``gradient_divide_factor``;
+    ``expert_fully_shard_modules(model, efsdp_mesh, ep_plan, fsdp_plan)`` reads
+    ``apply_efsdp_modules`` and ``gradient_divide_factor``."""
 
     _prefix: ClassVar[str] = "ep_plan"
 
