@@ -130,10 +130,17 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def peers(session: nox.Session) -> None:
-    """Models nobody here wrote: torchtitan's (0.2.2, a test-only dependency: the last release
-    that trains on CPU) through FSDPTurbo, against the same model in one process. torchtitan
-    imports triton at load time, even on CPU."""
-    _install(session, *(_package(n) for n in ALL_PACKAGES), _package("turbo-core", "[test]"), "torchtitan", "triton")
+    """Code nobody here wrote. torchtitan's models (0.2.2, a test-only dependency: the last release
+    that trains on CPU) through FSDPTurbo, against the same model in one process; torchtitan
+    imports triton at load time, even on CPU. LLaMA-Factory v1's own SFT command with its
+    ``fsdpturbo`` backend, against its ``fsdp2`` one: its wheel without its dependencies (they
+    pin forks: transformers-kt, peft-kt, accelerate-kt, and datasets<=4), beside the stock
+    transformers and datasets of constraints.txt and what its v1 SFT path imports besides
+    (omegaconf: config and data; peft: the fsdp2 engine; accelerate: the model engine;
+    torchdata, torchtitan's too: the batching)."""
+    _install(session, *(_package(n) for n in ALL_PACKAGES), _package("turbo-core", "[test]"), "torchtitan", "triton",
+             "omegaconf==2.4.0", "peft==0.21.2", "accelerate==1.15.0", "torchdata")
+    session.install("--no-deps", "llamafactory-kt==0.9.6.dev0")
     session.run(*PYTEST, "peer_tests", *session.posargs)
 
 
