@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -126,12 +127,20 @@ def launch(config: Path, nproc: int, *, timeout: float, probe: Path | None = Non
     if probe is not None:
         cmd += ["--probe", str(probe)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    if done.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}")
+    # its own session, so that a launch past its time is ended with its workers, not only torchrun
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} ran past {timeout} s:\n{stdout[-6000:]}\n{stderr[-6000:]}") from None
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{stdout[-6000:]}\n{stderr[-6000:]}")
     output_dir = Path(yaml.safe_load(config.read_text())["output_dir"])
     probed = json.loads(probe.read_text()) if probe is not None else None
-    return Launch(done.stdout + done.stderr, output_dir, probed)
+    return Launch(stdout + stderr, output_dir, probed)
 
 
 def logged_steps(output_dir: Path) -> list[dict]:
