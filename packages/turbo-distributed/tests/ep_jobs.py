@@ -169,3 +169,94 @@ def checkpoint_round_trip_run(kind, batches, config, directory):
     got = [float(resumed(input_ids=b, labels=b).loss) for b in local[1:]]
     full = {n: full_tensor(p) for n, p in resumed.named_parameters() if ".experts." in n}
     return expected, got, full
+
+
+# ----- the domino dispatcher --------------------------------------------------------
+def dispatcher_records_run(kind, batches, configs, expert_lists=False):
+    """Several facade trainings in one launch: ``ep_run`` for each config, in order."""
+    return [ep_run(kind, batches, config, None, expert_lists) for config in configs]
+
+
+def _routed_inputs(rows: list[list[int]], hidden: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.tensor(rows, dtype=torch.long).reshape(len(rows), 2)
+    states = torch.randn(index.shape[0], hidden, generator=generator, requires_grad=True)
+    weights = torch.rand(index.shape, generator=generator, requires_grad=True)
+    return states, index, weights
+
+
+def _ep2_experts(form: str, dispatcher: str, num_chunks: int):
+    """The unsharded experts module and an EP=2 copy of it (``dispatcher``, ``num_chunks``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_turbo.distributed.expert_parallel import apply_expert_parallel
+    from fsdp_turbo.fsdp_turbo_config import EPPlanConfig
+
+    reference = _experts_module(form)
+    sharded = _Holder(copy.deepcopy(reference))
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    plan = EPPlanConfig(apply_modules=["experts"], dispatcher=dispatcher, num_chunks=num_chunks)
+    apply_expert_parallel(sharded, plan, mesh)
+    return reference, sharded.experts
+
+
+def _forward_backward(module: nn.Module, rows: list[list[int]], seed: int):
+    states, index, weights = _routed_inputs(rows, 64, seed)
+    out = module(states, index, weights)
+    out.backward(torch.ones_like(out))
+    return out.detach(), states.grad, weights.grad
+
+
+def routed_against_whole_run(dispatcher: str, form: str, routes: dict, num_chunks: int) -> dict:
+    """EP=2 experts against the unsharded module on hand-made routing ``routes[rank]``: the
+    output, the input and routing-weight gradients, and every local expert's gradient (the
+    reference's summed over ranks, as the all-to-all's backward sums them)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    reference, sharded = _ep2_experts(form, dispatcher, num_chunks)
+    expected = _forward_backward(reference, routes[rank], seed=200 + rank)
+    got = _forward_backward(sharded, routes[rank], seed=200 + rank)
+    reference_grads = {}
+    for name, param in reference.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad)
+        reference_grads[name] = grad
+    local_grads = {name: full_tensor(param.grad) for name, param in sharded.named_parameters()}
+    return {"expected": expected, "got": got, "reference_grads": reference_grads, "local_grads": local_grads}
+
+
+def domino_events_run(tokens: int, num_chunks: int) -> dict[str, list[tuple[str, int]]]:
+    """The domino schedule's events on EP=2 experts: one forward, then one backward."""
+    import torch.distributed as dist
+
+    from fsdp_turbo.distributed.expert_parallel.domino import event_hook
+
+    _, sharded = _ep2_experts("fused", "domino", num_chunks)
+    generator = torch.Generator().manual_seed(300 + dist.get_rank())
+    # Every token visits one expert of each rank, so every slice sends rows both ways.
+    index = torch.stack([torch.randint(0, 4, (tokens,), generator=generator),
+                         torch.randint(4, 8, (tokens,), generator=generator)], dim=1)
+    states = torch.randn(tokens, 64, generator=generator, requires_grad=True)
+    weights = torch.rand(index.shape, generator=generator, requires_grad=True)
+    log: dict[str, list[tuple[str, int]]] = {"forward": [], "backward": []}
+    with event_hook(lambda event, index: log["forward"].append((event, index))):
+        out = sharded(states, index, weights)
+    with event_hook(lambda event, index: log["backward"].append((event, index))):
+        out.sum().backward()
+    return log
+
+
+def domino_two_rank_run(batches, tiny_routes: dict) -> dict:
+    """Every 2-rank domino check in one launch (each builds its own models and mesh):
+    facade training (Mixtral, 3 slices; a ModuleList of experts), domino and fused each;
+    hand-made uneven routing in both forms; slices with no token; the schedule's events."""
+    domino = {"expert_parallel_size": 2, "ep_plan": {"dispatcher": "domino", "num_chunks": 3}}
+    fused = {"expert_parallel_size": 2, "ep_plan": {"dispatcher": "fused"}}
+    return {
+        "mixtral": dispatcher_records_run("mixtral", batches, [domino, fused]),
+        "expert_lists": dispatcher_records_run("qwen3_moe", batches, [domino, fused], expert_lists=True),
+        "uneven": {form: routed_against_whole_run("domino", form, ROUTES, 3) for form in ("fused", "list")},
+        "tiny": routed_against_whole_run("domino", "fused", tiny_routes, 4),
+        "events": {chunks: domino_events_run(tokens=12, num_chunks=chunks) for chunks in (2, 3)},
+    }

@@ -2,13 +2,16 @@
 
 ``apply_expert_parallel`` (or the ``expert_parallel`` transform) converts the expert
 containers the plan picks; ``shard_experts`` puts expert FSDP on top. Dispatchers:
-``eager``, ``fused`` and ``mc2``; all give the same numbers. Expert containers are
+``eager``, ``fused``, ``mc2`` (token chunks, all-to-all overlapped with the previous chunk's
+compute in the forward) and ``domino`` (independent token slices, each slice's all-to-alls
+overlapped with the other slices' expert GEMMs in the forward and in the backward; see
+``domino``); all give the same numbers. Expert containers are
 recognised by the registered expert forms (``register_expert_form``); the built-in ones
 are HF's fused experts, a ModuleList of experts and torchtitan's ``GroupedExperts``.
 """
 
 from fsdp_turbo.distributed.expert_parallel.counted_experts import CountedExperts
-from fsdp_turbo.distributed.expert_parallel.dispatchers import DISPATCHERS, ExpertGroup
+from fsdp_turbo.distributed.expert_parallel.dispatchers import DISPATCHERS, DominoDispatcher, ExpertGroup
 from fsdp_turbo.distributed.expert_parallel.experts import ExpertList, FusedExperts
 from fsdp_turbo.distributed.expert_parallel.forms import (
     ExpertAdapter,
@@ -31,6 +34,7 @@ from fsdp_turbo.distributed.expert_parallel.transform import (
 __all__ = [
     "CountedExperts",
     "DISPATCHERS",
+    "DominoDispatcher",
     "EPPlan",
     "ExpertAdapter",
     "ExpertGroup",

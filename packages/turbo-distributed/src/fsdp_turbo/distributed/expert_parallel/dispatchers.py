@@ -1,4 +1,4 @@
-"""The three dispatchers. Each takes the experts' ``(hidden_states, top_k_index,
+"""The four dispatchers. Each takes the experts' ``(hidden_states, top_k_index,
 top_k_weights)`` and returns what the unsharded experts would, for the local tokens:
 
 1. exchange per-expert token counts;
@@ -10,7 +10,10 @@ top_k_weights)`` and returns what the unsharded experts would, for the local tok
 ``eager`` runs the local experts one by one, each gathering its rows by mask; ``fused``
 permutes once (a sort) and runs all local experts as grouped GEMMs; ``mc2`` is ``fused``
 over token chunks, with chunk ``i + 1``'s all-to-all in flight while chunk ``i`` computes
-(on NPU the op ``ep.mc2`` can be a fused dispatch-GEMM-combine kernel).
+(on NPU the op ``ep.mc2`` can be a fused dispatch-GEMM-combine kernel); ``domino`` is
+``fused`` over independent token slices whose all-to-alls overlap the other slices' expert
+GEMMs in the forward and in the backward too (``domino``'s docstring says how). All four
+give the same numbers (up to float32 rounding where the chunks sum in another order).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch import nn
 
 from fsdp_turbo.core.ops import call_op, register_op
 from fsdp_turbo.distributed.expert_parallel.collectives import all_to_all, wait
+from fsdp_turbo.distributed.expert_parallel.domino import InFlight, overlap_slices
 from fsdp_turbo.distributed.expert_parallel.forms import ExpertAdapter
 from fsdp_turbo.distributed.expert_parallel.ops import register_backends
 from fsdp_turbo.distributed.expert_parallel.routing import (
@@ -45,7 +49,7 @@ class ExpertGroup:
     num_experts: int
     ep_size: int
     group: dist.ProcessGroup | None  # None: a single EP rank (no communication)
-    num_chunks: int = 1
+    num_chunks: int = 2  # token chunks of mc2 and slices of domino (ep_plan.num_chunks)
 
 
 def send_rows(hidden: torch.Tensor, route: TokenRoute) -> torch.Tensor:
@@ -104,20 +108,25 @@ class FusedDispatcher(_SingleRouteDispatcher):
         return _grouped_compute(module, experts, recv, route)
 
 
+def chunk_routes(experts: ExpertGroup, top_k_index: torch.Tensor) -> tuple[list[tuple[int, int]], list[TokenRoute]]:
+    """``experts.num_chunks`` contiguous token spans and each span's route; every span's counts
+    travel in one collective."""
+    # Every rank runs the same number of chunks (some may be empty), so collectives pair up.
+    bounds = torch.linspace(0, top_k_index.shape[0], experts.num_chunks + 1).round().long().tolist()
+    spans = list(itertools.pairwise(bounds))
+    sorted_counts = [count_tokens(top_k_index[a:b], experts.num_experts) for a, b in spans]
+    received = exchange_counts(torch.stack([c for _, c in sorted_counts]), experts.ep_size, experts.group)
+    top_k = top_k_index.shape[-1]
+    return spans, [build_route(order, counts, received[:, i], top_k) for i, (order, counts) in enumerate(sorted_counts)]
+
+
 @register_op("ep.mc2")
 def mc2_portable(module: nn.Module, experts: ExpertGroup, hidden_states: torch.Tensor,
                  top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """Chunked fused dispatch: every chunk's counts travel in one collective, then chunk
     ``i + 1``'s rows are sent before chunk ``i`` is computed, and chunk ``i``'s results are
     sent back before chunk ``i + 1`` is computed."""
-    num_tokens = hidden_states.shape[0]
-    # Every rank runs the same number of chunks (some may be empty), so collectives pair up.
-    bounds = torch.linspace(0, num_tokens, experts.num_chunks + 1).round().long().tolist()
-    spans = list(itertools.pairwise(bounds))
-    sorted_counts = [count_tokens(top_k_index[a:b], experts.num_experts) for a, b in spans]
-    received = exchange_counts(torch.stack([c for _, c in sorted_counts]), experts.ep_size, experts.group)
-    top_k = top_k_index.shape[-1]
-    routes = [build_route(order, counts, received[:, i], top_k) for i, (order, counts) in enumerate(sorted_counts)]
+    spans, routes = chunk_routes(experts, top_k_index)
 
     def send(i: int) -> torch.Tensor:
         a, b = spans[i]
@@ -145,5 +154,33 @@ class MC2Dispatcher(Dispatcher):
                        top_k_weights)
 
 
-DISPATCHERS: dict[str, Dispatcher] = {d.name: d for d in (EagerDispatcher(), FusedDispatcher(), MC2Dispatcher())}
+class DominoDispatcher(Dispatcher):
+    """``fused`` over ``experts.num_chunks`` independent token slices, each slice's all-to-alls
+    overlapping the other slices' expert GEMMs, forward and backward (module ``domino``).
+    With one slice there is nothing to overlap: it computes as ``fused`` does."""
+
+    name = "domino"
+
+    def __call__(self, module, experts, hidden_states, top_k_index, top_k_weights):
+        spans, routes = chunk_routes(experts, top_k_index)
+
+        def send(i: int) -> InFlight:
+            (a, b), route = spans[i], routes[i]
+            return InFlight(send_rows(hidden_states[a:b], route), route.recv_splits, route.send_splits,
+                            experts.group, "dispatch", i)
+
+        def compute(i: int, received: torch.Tensor) -> InFlight:
+            route = routes[i]
+            return InFlight(_grouped_compute(module, experts, received, route), route.send_splits,
+                            route.recv_splits, experts.group, "combine", i)
+
+        returned = overlap_slices(len(routes), send, compute)
+        parts = [combine(back, route, top_k_weights[a:b], b - a)
+                 for back, route, (a, b) in zip(returned, routes, spans, strict=True)]
+        return torch.cat(parts).to(hidden_states.dtype)
+
+
+DISPATCHERS: dict[str, Dispatcher] = {
+    d.name: d for d in (EagerDispatcher(), FusedDispatcher(), MC2Dispatcher(), DominoDispatcher())
+}
 register_backends()
