@@ -278,12 +278,16 @@ class EPPlanConfig(ConfigSection):
 
     dispatcher: str = "fused"
     """How tokens reach their experts: ``"eager"`` (a loop over local experts), ``"fused"`` (one
-    permute and grouped GEMMs) or ``"mc2"`` (fused over token chunks, communication overlapped
-    with compute). The list is expert parallel's own (``fsdp_turbo.choices``)."""
+    permute and grouped GEMMs), ``"mc2"`` (fused over token chunks, each chunk's all-to-all
+    overlapped with the previous chunk's compute in the forward) or ``"domino"`` (fused over
+    independent token slices, each slice's all-to-alls overlapped with the other slices' expert
+    GEMMs in the forward and in the backward). The list is expert parallel's own
+    (``fsdp_turbo.choices``)."""
 
     num_chunks: int = 2
-    """Token chunks of the ``mc2`` dispatcher: chunk i+1's all-to-all is in flight while chunk i
-    computes. More chunks overlap more, each with smaller GEMMs."""
+    """Token chunks of ``mc2`` and token slices of ``domino``: one chunk's all-to-all is in flight
+    while another computes (for ``domino``, in the backward too). More chunks overlap more, each
+    with smaller GEMMs; 1 means no overlap."""
 
     apply_efsdp_modules: tuple[str, ...] | None = None
     """Patterns of the modules whose expert containers expert FSDP shards on the expert mesh, e.g.

@@ -39,7 +39,7 @@ class ExpertAdapter(abc.ABC):
     so it can sit in the expert-parallel plan.
 
     A form implements :meth:`detect`, :meth:`keep_local_experts` and :meth:`eager`; also
-    :meth:`grouped` for the ``fused`` and ``mc2`` dispatchers' grouped GEMMs, and
+    :meth:`grouped` for the ``fused``, ``mc2`` and ``domino`` dispatchers' grouped GEMMs, and
     :meth:`run_forward` when its forward is not ``(hidden_states, top_k_index, top_k_weights)``.
     ``form`` describes it in the error for a module no form recognises."""
 
