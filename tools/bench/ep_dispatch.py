@@ -3,11 +3,12 @@
 Each rank holds 16 experts (EP=4) and routes its own tokens with a Qwen3-MoE router. One
 step is forward + backward of the MoE block. Printed, from the same run:
 
-- tokens/s of ``fused`` / ``eager`` (goal >= 3x) and ``mc2`` / ``fused``;
+- tokens/s of ``fused`` / ``eager`` (goal >= 3x), ``mc2`` / ``fused`` and ``domino`` / ``fused``;
 - all-to-all bytes each rank sends to other ranks per step, dispatch and combine, divided
   by the theoretical minimum ``tokens x top_k x hidden x bytes x (ep - 1) / ep`` each way
   (goal 1.00; the router decides the real split, so a few percent either way is routing
   imbalance, not waste). The per-expert count exchange (E int64 per rank) is listed apart.
+  ``domino`` sends the same rows through its own async exchanges, which are not counted.
 
     python tools/bench/ep_dispatch.py [--tokens 256] [--steps 3] [--dtype float32]
 """
@@ -94,7 +95,7 @@ def main() -> None:
     from fsdp_turbo.core.testing import run_distributed
 
     results = {}
-    for dispatcher in ("eager", "fused", "mc2"):
+    for dispatcher in ("eager", "fused", "mc2", "domino"):
         ranks = run_distributed(rank_job, WORLD, dispatcher, args.tokens, args.steps, args.dtype, timeout=900)
         results[dispatcher] = ranks
     tokens_per_s = {d: WORLD * args.tokens / max(r["time"] for r in ranks) for d, ranks in results.items()}
@@ -104,10 +105,13 @@ def main() -> None:
         print(f"  {dispatcher:6s} {rate:10.0f} tokens/s")
     print(f"fused / eager: {tokens_per_s['fused'] / tokens_per_s['eager']:.2f}x (goal >= 3x)")
     print(f"mc2 / fused:   {tokens_per_s['mc2'] / tokens_per_s['fused']:.2f}x")
+    print(f"domino / fused: {tokens_per_s['domino'] / tokens_per_s['fused']:.2f}x")
     shape = f"{EXPERTS} experts top-{TOP_K}, hidden {HIDDEN}, EP={WORLD}, {args.tokens} tokens/rank"
     result("EP dispatch tokens/s, fused vs eager", tokens_per_s["fused"] / tokens_per_s["eager"], ">= 3", shape)
     result("EP dispatch tokens/s, mc2 vs fused", tokens_per_s["mc2"] / tokens_per_s["fused"], "-",
            "overlap needs an async device; gloo on 2 cores serialises it")
+    result("EP dispatch tokens/s, domino vs fused", tokens_per_s["domino"] / tokens_per_s["fused"], "-",
+           "forward and backward overlap; needs an async device to pay off")
     elem = results["fused"][0]["elem"]
     theory = args.tokens * TOP_K * HIDDEN * elem * (WORLD - 1) / WORLD
     for dispatcher in ("fused", "mc2"):
