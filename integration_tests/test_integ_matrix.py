@@ -56,6 +56,9 @@ LAYOUTS = {
     # 8 ranks: EP 4 spans TP pairs and FSDP ranks; experts sharded over efsdp 2.
     "fsdp4 x tp2, ep4": ("qwen3_moe", 8, {**MOE_TP, "fully_shard_parallel_size": 4,
                                           "expert_parallel_size": 4, "ep_plan": {"dispatcher": "mc2"}}),
+    # 4 ranks: domino's backward overlap while recompute reruns the forward's all-to-alls.
+    "ep2 x efsdp2 domino + recompute": ("qwen3_moe", 4, {"expert_parallel_size": 2,
+                                                         "ep_plan": {"dispatcher": "domino"}, "recompute": True}),
     # 4 ranks: every memory feature at once (the swaps forced on CPU).
     "fsdp2 x tp2 x ep2 + memory": ("qwen3_moe", 4, {**MOE_TP, "fully_shard_parallel_size": 2,
                                                     "expert_parallel_size": 2, "ep_plan": {}, **MEMORY},

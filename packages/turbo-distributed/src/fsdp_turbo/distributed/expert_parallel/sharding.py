@@ -62,7 +62,7 @@ def fully_shard_experts(container: nn.Module, mesh, divide_factor: float,
     stop_dividing_expert_gradients(container)
     fully_shard(container, mesh=mesh, shard_placement_fn=placement, **fully_shard_kwargs)
     container.set_gradient_divide_factor(divide_factor)
-    if mesh.device_type != "cuda" and mesh.size() > 1:
+    if mesh.device_type != "cuda" and mesh.shape[-1] > 1:  # the shard dim (HSDP: the last)
         # A custom divide factor becomes NCCL's PREMUL_SUM; other backends lack it, so
         # reduce with SUM and scale separately. Not with one shard rank: torch 2.13 then
         # divides in its copy and again afterwards (and needs no PREMUL_SUM anyway).
