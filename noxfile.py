@@ -124,7 +124,8 @@ def quant_triton(session: nox.Session) -> None:
 @nox.session
 def integration(session: nox.Session) -> None:
     """Every package together: integration_tests/ (multi-package, torchrun)."""
-    _install(session, *(_package(n) for n in ALL_PACKAGES), _package("turbo-core", "[test]"))
+    _install(session, *(_package(n) for n in ALL_PACKAGES), _package("turbo-core", "[test]"),
+             _package("fsdp-turbo", "[peft]"))
     session.run(*PYTEST, "integration_tests", *session.posargs)
 
 

@@ -9,6 +9,13 @@ Semantics (full match on the module's qualified name):
 
 Block-wrapping features (FSDP units, recompute, swap) take only the outermost
 matches, so ``model.layers.*`` wraps each decoder layer once, not its children.
+
+Patterns see through PEFT, so one config serves full fine-tuning and LoRA. A module also
+matches by the name it has in the wrapped model (:func:`wrapped_name`): a PEFT model's
+``base_model.model.`` prefix is dropped, and so is each ``base_layer`` segment. The tuner
+layer PEFT puts in a module's place (a LoRA ``Linear`` holding ``base_layer``, ``lora_A``
+and ``lora_B``) therefore answers to the module's own name (``*.q_proj``), and its
+``base_layer`` is not picked apart from it. Full names match too.
 """
 
 from __future__ import annotations
@@ -81,6 +88,29 @@ def _literal(text: str, segment: str) -> str:
     return re.escape(segment)
 
 
+PEFT_PREFIX = "base_model.model."  # PeftModel -> its LoraModel (or other tuner) -> the user's model
+TUNER_SEGMENT = "base_layer"  # the wrapped module inside a PEFT tuner layer
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    # PEFT's PeftModel, recognised by shape so that turbo-core never imports peft.
+    return hasattr(model, "peft_config") and isinstance(getattr(model, "base_model", None), nn.Module)
+
+
+def wrapped_name(name: str, peft: bool) -> str | None:
+    """The name patterns also see for module ``name``: without the PEFT prefix (when ``peft``)
+    and without ``base_layer`` segments. ``None`` for a module that has no name of its own
+    there: PEFT's own wrappers, and a tuner layer's ``base_layer`` (its layer stands for it)."""
+    if peft:
+        if not name.startswith(PEFT_PREFIX):
+            return None
+        name = name[len(PEFT_PREFIX):]
+    parts = name.split(".")
+    if parts[-1] == TUNER_SEGMENT:
+        return None
+    return ".".join(part for part in parts if part != TUNER_SEGMENT)
+
+
 def matches_any(name: str, patterns: Iterable[str]) -> bool:
     return any(compile_pattern(p).matches(name) for p in patterns)
 
@@ -112,11 +142,13 @@ def match_modules(
     compiled = _compile_field(patterns, field)
     hits: dict[str, nn.Module] = {}
     used = [False] * len(compiled)
+    peft = is_peft_model(model)
     for name, module in model.named_modules(remove_duplicate=False):
         if not name or (module_filter is not None and not module_filter(name, module)):
             continue
+        seen = wrapped_name(name, peft)
         for index, pattern in enumerate(compiled):
-            if pattern.matches(name):
+            if pattern.matches(name) or (seen and seen != name and pattern.matches(seen)):
                 used[index] = True
                 hits.setdefault(name, module)
     for pattern, was_used in zip(compiled, used, strict=True):
