@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from fsdp_turbo.core.errors import ConfigError
@@ -19,8 +19,16 @@ from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.model_inspect import tied_parameter_groups
 from fsdp_turbo.core.patterns import check_disjoint, match_modules
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow
+from fsdp_turbo.distributed.tensor_parallel.lora import (
+    adapter_names,
+    check_lora_layer,
+    is_lora_linear,
+    is_tuner_layer,
+    lora_sharded_linears,
+)
 from fsdp_turbo.distributed.tensor_parallel.styles import (
     SEQUENCE_DIM,
+    FrozenKeepingSequenceParallel,
     HeadLocalParallel,
     PrepareHiddenStates,
     ReplicateParallel,
@@ -46,6 +54,7 @@ class StyleKind(StrEnum):
     GATHER_REPLICATE = "gather_replicate"  # an unsharded output head after sequence parallel
     REPLICATE = "replicate"  # outside the plan: replicated parameters, local compute
     REPLICATE_SEQUENCE_LOCAL = "replicate_sequence_local"  # ditto, seeing this rank's tokens only
+    REPLICATE_PREPARED = "replicate_prepared"  # ditto, on a prepared (replicated) input: a colwise LoRA's lora_A
 
 
 SHARDED_KINDS = frozenset({StyleKind.COLWISE, StyleKind.ROWWISE})
@@ -78,13 +87,15 @@ def build_style(choice: StyleChoice) -> ParallelStyle:
             return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         return RowwiseParallel(output_layouts=sequence if choice.sequence_sharded else Replicate())
     builders = {
-        StyleKind.SEQUENCE_PARALLEL: lambda: SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True),
+        StyleKind.SEQUENCE_PARALLEL: lambda: FrozenKeepingSequenceParallel(sequence_dim=SEQUENCE_DIM,
+                                                                           use_local_output=True),
         StyleKind.PREPARE_INPUT: lambda: PrepareHiddenStates(sequence_parallel=choice.sequence_sharded),
         StyleKind.HEAD_LOCAL: HeadLocalParallel,
         StyleKind.SCATTER_SEQUENCE: ScatterSequence,
         StyleKind.GATHER_REPLICATE: lambda: ReplicateParallel(gather_sequence=True),
         StyleKind.REPLICATE: ReplicateParallel,
         StyleKind.REPLICATE_SEQUENCE_LOCAL: lambda: ReplicateParallel(sum_grads=True),
+        StyleKind.REPLICATE_PREPARED: lambda: ReplicateParallel(local_input=True),
     }
     return builders[kind]()
 
@@ -143,6 +154,12 @@ def _parent(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else ""
 
 
+def _ancestors(name: str) -> list[str]:
+    """The names of the modules holding ``name``, innermost first (the root excluded)."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+
+
 def _own_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
@@ -151,19 +168,28 @@ def _children_own_params(module: nn.Module) -> bool:
     return any(any(True for _ in child.parameters()) for child in module.children())
 
 
+def _sharded_layers(name: str, module: nn.Module, field_name: str, colwise: bool) -> list[tuple[str, nn.Module]]:
+    """The layers TP splits for a picked module: itself, or a LoRA layer's base and sharded factors."""
+    if is_tuner_layer(module):
+        check_lora_layer(field_name, name, module)
+        return lora_sharded_linears(name, module, colwise)
+    if not isinstance(module, SHARDABLE):
+        raise ConfigError(field_name, name, "pick nn.Linear (or nn.Embedding) modules, e.g. '*.q_proj'",
+                          reason=f"{name} is a {type(module).__name__}, which tensor parallel cannot shard")
+    return [(name, module)]
+
+
 def _check_types_and_sizes(modules: dict[str, nn.Module], field_name: str, tp: int, colwise: bool) -> None:
-    for name, module in modules.items():
-        if not isinstance(module, SHARDABLE):
-            raise ConfigError(field_name, name, "pick nn.Linear (or nn.Embedding) modules, e.g. '*.q_proj'",
-                              reason=f"{name} is a {type(module).__name__}, which tensor parallel cannot shard")
-        if isinstance(module, nn.Linear):
-            size, what = (module.out_features, "out_features") if colwise else (module.in_features, "in_features")
-        else:
-            size, what = (module.embedding_dim, "embedding_dim") if colwise else (module.num_embeddings,
-                                                                                 "num_embeddings")
-        if size % tp:
-            raise ConfigError(field_name, name, f"use a tensor_parallel_size that divides {what}={size}",
-                              reason=f"{what}={size} does not split into {tp} equal shards")
+    for picked, module in modules.items():
+        for name, layer in _sharded_layers(picked, module, field_name, colwise):
+            if isinstance(layer, nn.Linear):
+                size, what = (layer.out_features, "out_features") if colwise else (layer.in_features, "in_features")
+            else:
+                size, what = (layer.embedding_dim, "embedding_dim") if colwise else (layer.num_embeddings,
+                                                                                   "num_embeddings")
+            if size % tp:
+                raise ConfigError(field_name, name, f"use a tensor_parallel_size that divides {what}={size}",
+                                  reason=f"{what}={size} does not split into {tp} equal shards")
 
 
 def _check_heads(facts: ModelFacts, tp: int) -> None:
@@ -202,9 +228,22 @@ def _match(model: nn.Module, plan: TPPlanConfig, keep: Callable[[str, nn.Module]
                     sequence=pick(plan.sequence_parallel, "tp_plan.sequence_parallel", outermost=True))
 
 
-def _validate(matches: _Matches, tp: int, facts: ModelFacts) -> None:
+def _check_lora_kept_whole(model: nn.Module, picked: dict[str, nn.Module], field_name: str) -> None:
+    # A LoRA layer's base_layer (or factor) sharded alone would leave the adapter's term
+    # whole beside a sharded base output.
+    for name in picked:
+        owner = next((held for held in _ancestors(name) if is_lora_linear(model.get_submodule(held))), None)
+        if owner is not None:
+            raise ConfigError(field_name, name, f"pick the LoRA layer {owner} itself (e.g. '*.q_proj', not "
+                              "'*.q_proj.base_layer'): tensor parallel splits its base and adapters together",
+                              reason=f"{name} is inside the LoRA layer {owner}")
+
+
+def _validate(model: nn.Module, matches: _Matches, tp: int, facts: ModelFacts) -> None:
     check_disjoint({"tp_plan.colwise_parallel": matches.colwise, "tp_plan.rowwise_parallel": matches.rowwise,
                     "tp_plan.sequence_parallel": matches.sequence})
+    _check_lora_kept_whole(model, matches.colwise, "tp_plan.colwise_parallel")
+    _check_lora_kept_whole(model, matches.rowwise, "tp_plan.rowwise_parallel")
     _check_types_and_sizes(matches.colwise, "tp_plan.colwise_parallel", tp, colwise=True)
     _check_types_and_sizes(matches.rowwise, "tp_plan.rowwise_parallel", tp, colwise=False)
     _check_heads(facts, tp)
@@ -218,7 +257,7 @@ def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int, facts: ModelF
     left to their own transform: patterns do not see them and no style is chosen."""
     keep = _outside(frozenset(exclude))
     matches = _match(model, plan, keep)
-    _validate(matches, tp, facts)
+    _validate(model, matches, tp, facts)
     loss_head = _loss_head(plan, matches.colwise, facts)
     styles = _choose_styles(model, plan, matches, loss_head, keep, facts)
     tied = _check_tied(model, styles)
@@ -237,10 +276,13 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
 
     # A colwise projection inside a block's sub-module (attention, MLP) shares its input
     # with its siblings: prepare that input once at the parent. In model order, so every
-    # rank makes the same plan.
-    parents = {_parent(n) for n, m in colwise.items() if isinstance(m, nn.Linear)}
+    # rank makes the same plan. A parent holding the blocks is the model itself (the output
+    # head's parent under a wrapper's prefix, e.g. PEFT's base_model.model): its input is not
+    # the hidden states.
+    parents = {_parent(n) for n, m in colwise.items() if isinstance(m, nn.Linear) or is_lora_linear(m)}
+    holds_blocks = {ancestor for name in block_names for ancestor in _ancestors(name)}
     hook_parents = [n for n, _ in model.named_modules()
-                    if n and n in parents and n not in block_names and n not in planned]
+                    if n and n in parents and n not in block_names and n not in planned and n not in holds_blocks]
     head_local = [name for name, module in model.named_modules()
                   if name and keep(name, module) and name not in planned and _parent(name) in hook_parents
                   and _own_params(module) and not _children_own_params(module)]
@@ -249,11 +291,15 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
     for name in hook_parents:
         styles[name] = StyleChoice(StyleKind.PREPARE_INPUT, sequence_sharded=sp)
     for name, module in colwise.items():
-        styles[name] = _colwise_choice(module, sequence_input=sp and _parent(name) not in hook_parents,
-                                       vocab_shards=name == loss_head, gather_output=name == head_name)
+        prepared = _parent(name) in hook_parents
+        choice = _colwise_choice(module, sequence_input=sp and not prepared,
+                                 vocab_shards=name == loss_head, gather_output=name == head_name)
+        styles.update(_lora_colwise_styles(name, module, choice, prepared) if is_lora_linear(module)
+                      else {name: choice})
     for name, module in rowwise.items():
         embedding = isinstance(module, nn.Embedding)
-        styles[name] = StyleChoice(StyleKind.ROWWISE, embedding=embedding, sequence_sharded=sp and not embedding)
+        choice = StyleChoice(StyleKind.ROWWISE, embedding=embedding, sequence_sharded=sp and not embedding)
+        styles.update(_lora_rowwise_styles(name, module, choice) if is_lora_linear(module) else {name: choice})
     for name in sequence:
         styles[name] = StyleChoice(StyleKind.SEQUENCE_PARALLEL)
     for name in head_local:
@@ -283,6 +329,32 @@ def _colwise_choice(module: nn.Module, *, sequence_input: bool, vocab_shards: bo
     # its users read whole-vocabulary logits, so the output head gathers them.
     return StyleChoice(StyleKind.COLWISE, sequence_sharded=sequence_input, vocab_shards=vocab_shards,
                        gather_output=gather_output and not vocab_shards)
+
+
+def _lora_colwise_styles(name: str, module: nn.Module, base: StyleChoice, prepared: bool) -> dict[str, StyleChoice]:
+    # base_layer and lora_B read one replicated input and end output-sharded alike (the
+    # head's flags included), so the layer's output is the sum of two output shards.
+    # lora_A reads the same input whole. Without a parent that prepares the input, the
+    # LoRA layer prepares it itself: gathered once, not by base_layer and lora_A each.
+    styles = {} if prepared else {name: StyleChoice(StyleKind.PREPARE_INPUT, sequence_sharded=base.sequence_sharded)}
+    sharded = replace(base, sequence_sharded=False)
+    styles[f"{name}.base_layer"] = sharded
+    for adapter in adapter_names(module):
+        styles[f"{name}.lora_A.{adapter}"] = StyleChoice(StyleKind.REPLICATE_PREPARED)
+        styles[f"{name}.lora_B.{adapter}"] = sharded
+    return styles
+
+
+def _lora_rowwise_styles(name: str, module: nn.Module, base: StyleChoice) -> dict[str, StyleChoice]:
+    # lora_A splits the input as base_layer does and ends in the same layout: reduced, or
+    # reduce-scattered to sequence shards. lora_B then computes on that: with sequence
+    # parallel each rank holds other tokens, so its gradients are summed over TP.
+    styles = {f"{name}.base_layer": base}
+    local = StyleKind.REPLICATE_SEQUENCE_LOCAL if base.sequence_sharded else StyleKind.REPLICATE
+    for adapter in adapter_names(module):
+        styles[f"{name}.lora_A.{adapter}"] = base
+        styles[f"{name}.lora_B.{adapter}"] = StyleChoice(local)
+    return styles
 
 
 def _loss_head(plan: TPPlanConfig, colwise: dict[str, nn.Module], facts: ModelFacts) -> str | None:

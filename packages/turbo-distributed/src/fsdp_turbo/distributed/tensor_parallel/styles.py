@@ -5,7 +5,10 @@
   optimizer, ``clip_grad_norm_`` and checkpoints), while it computes on local
   tensors. ``gather_sequence=True`` serves an unsharded output head after sequence
   parallel; ``sum_grads=True`` serves a module inside the sequence-parallel region
-  (an MoE router or experts), whose ranks see different tokens.
+  (an MoE router or experts), whose ranks see different tokens; ``local_input=True``
+  serves a module fed a prepared (replicated DTensor) input: a colwise LoRA's ``lora_A``.
+* :class:`FrozenKeepingSequenceParallel`: torch's ``SequenceParallel`` for the norms,
+  keeping each parameter's ``requires_grad`` (a PEFT model's frozen norms stay frozen).
 * :class:`HeadLocalParallel`: a module that acts per attention head on the
   head-sharded activations (Qwen3's ``q_norm``/``k_norm``); its replicated weight
   gets the sum of every rank's gradient.
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.utils._pytree import tree_map
 
@@ -73,12 +77,15 @@ class ReplicateParallel(ParallelStyle):
     the sequence-parallel region the ranks see different tokens, so with ``sum_grads``
     each local view's gradient is summed over the TP group first. With
     ``gather_sequence`` the first floating input is all-gathered from sequence shards
-    first (an output head after sequence parallel).
+    first (an output head after sequence parallel). With ``local_input`` its DTensor
+    inputs (replicated: the input a parent prepared for its colwise siblings) become
+    local tensors; their gradients return as replicated ones.
     """
 
-    def __init__(self, *, gather_sequence: bool = False, sum_grads: bool = False) -> None:
+    def __init__(self, *, gather_sequence: bool = False, sum_grads: bool = False, local_input: bool = False) -> None:
         self.gather_sequence = gather_sequence
         self.sum_grads = sum_grads
+        self.local_input = local_input
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, param in list(module.named_parameters(recurse=False)):
@@ -97,6 +104,8 @@ class ReplicateParallel(ParallelStyle):
                 mod._parameters[name] = local
             if self.gather_sequence:
                 return _gather_first_float(args, device_mesh)
+            if self.local_input:
+                return _replicated_locals(args, device_mesh)
             return None
 
         def swap_out(mod: nn.Module, args: tuple, output: Any):
@@ -107,6 +116,11 @@ class ReplicateParallel(ParallelStyle):
         return module
 
 
+def _replicated_locals(args: tuple, mesh: DeviceMesh) -> tuple:
+    return tuple(value.redistribute(mesh, [Replicate()]).to_local() if isinstance(value, DTensor) else value
+                 for value in args)
+
+
 def _gather_first_float(args: tuple, mesh: DeviceMesh) -> tuple:
     out, done = [], False
     for value in args:
@@ -115,6 +129,19 @@ def _gather_first_float(args: tuple, mesh: DeviceMesh) -> tuple:
             value, done = sharded.redistribute(mesh, [Replicate()]).to_local(), True
         out.append(value)
     return tuple(out)
+
+
+class FrozenKeepingSequenceParallel(SequenceParallel):
+    """``SequenceParallel`` that keeps a frozen parameter frozen: torch's re-registers each
+    parameter as a new ``nn.Parameter``, trainable whatever the old one was."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        frozen = {name for name, param in module.named_parameters() if not param.requires_grad}
+        module = super()._apply(module, device_mesh)
+        for name, param in module.named_parameters():
+            if name in frozen:
+                param.requires_grad_(False)
+        return module
 
 
 class HeadLocalParallel(ParallelStyle):

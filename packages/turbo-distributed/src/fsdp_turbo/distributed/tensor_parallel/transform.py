@@ -27,15 +27,28 @@ def _retie(model: nn.Module, groups: tuple[TiedGroup, ...]) -> None:
             setattr(model.get_submodule(module_name), param_name, shared)
 
 
+def _loss_function_owner(model: nn.Module, head: str) -> nn.Module | None:
+    """The innermost module holding ``head`` that has a ``loss_function`` of its own: the HF
+    model, also under a wrapper that only forwards attribute reads to it (PEFT's PeftModel;
+    setting the attribute there would not reach the model's forward)."""
+    parts = head.split(".")[:-1]
+    for depth in range(len(parts), -1, -1):
+        module = model.get_submodule(".".join(parts[:depth]))
+        if hasattr(type(module), "loss_function") or "loss_function" in vars(module):
+            return module
+    return None
+
+
 def apply_tp_plan(model: nn.Module, plan: TPPlan, tp_mesh) -> nn.Module:
     """Apply a resolved plan (usable without the facade)."""
     for name, choice in plan.styles:
         parallelize_module(model.get_submodule(name), tp_mesh, build_style(choice))
     _retie(model, plan.tied)
     if plan.loss_head is not None:
-        if hasattr(model, "loss_function"):
+        owner = _loss_function_owner(model, plan.loss_head)
+        if owner is not None:
             # HF models compute the loss inside forward: make it run on the vocab shards.
-            model.loss_function = LossParallelLossFunction(model.loss_function)
+            owner.loss_function = LossParallelLossFunction(owner.loss_function)
         # models that return logits: core.lm_loss runs the vocab-sharded cross-entropy
         set_logits_loss(model, vocab_parallel_cross_entropy)
     return model
