@@ -50,3 +50,54 @@ def facade_run(kind: str, config: dict):
     frozen_grads = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
     units = sorted(name for name, plan in model.fsdp_turbo_plans.items())
     return record, frozen_grads, units
+
+
+# ----- tensor parallel: FSDP=2 x TP=2 with the usual Llama TP plan, LoRA on every projection ---------
+MLP = ["gate_proj", "up_proj", "down_proj"]
+PROJECTIONS = [*ATTENTION, *MLP]
+
+
+def _tp_layouts() -> dict[str, tuple[list[str], dict]]:
+    from composed_jobs import FSDP_TP
+
+    plan = FSDP_TP["tp_plan"]
+    no_sp = {name: value for name, value in plan.items() if name != "sequence_parallel"}
+    return {  # name -> (LoRA targets, config)
+        "sp + loss parallel": (PROJECTIONS, FSDP_TP),
+        "no sp": (PROJECTIONS, {**FSDP_TP, "tp_plan": no_sp}),
+        # the output head a LoRA layer too: its adapter ends vocab-sharded, as the head's logits do
+        "lora head, sp + loss parallel": ([*PROJECTIONS, "lm_head"], FSDP_TP),
+    }
+
+
+TP_LAYOUTS = _tp_layouts()
+
+
+def tp_reference_runs() -> dict[str, object]:
+    """Single-process PEFT for each layout of ``TP_LAYOUTS`` (one run per list of targets)."""
+    by_targets = {}
+    for targets, _ in TP_LAYOUTS.values():
+        if tuple(targets) not in by_targets:
+            by_targets[tuple(targets)] = train_steps(peft_model("llama", targets), BATCHES)
+    return {name: by_targets[tuple(targets)] for name, (targets, _) in TP_LAYOUTS.items()}
+
+
+def _tp_placement(param) -> str:
+    return str(dict(zip(param.device_mesh.mesh_dim_names, param.placements, strict=True))["tp"])
+
+
+def tp_facade_runs() -> dict[str, tuple]:
+    """Every layout of ``TP_LAYOUTS`` in the same ranks: the record, the parameters with a gradient
+    that should have none, and the TP placement of each adapter of layer 0's q_proj and o_proj."""
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    results = {}
+    for name, (targets, config) in TP_LAYOUTS.items():
+        model = FSDPTurbo(config, peft_model("llama", targets))
+        state = model.parallel_state
+        record = train_steps(model, [shard_rows(b, state.dp_rank, state.dp_size) for b in BATCHES])
+        frozen_grads = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+        placements = {n.split("layers.0.")[-1]: _tp_placement(p) for n, p in model.named_parameters()
+                      if "layers.0." in n and ("q_proj" in n or "o_proj" in n)}
+        results[name] = (record, frozen_grads, placements)
+    return results

@@ -42,3 +42,125 @@ def test_lora_parity(reference, layout):
         assert_parity(reference, record, **TOL)
         assert frozen_grads == []
         assert len(record.losses) == len(BATCHES)
+
+
+# ----- tensor parallel: a LoRA layer is split with its base layer --------------------------------------
+LAYER = "base_model.model.model.layers.0"
+
+
+def _lora_tp_plan(model, **plan):
+    from fsdp_turbo.core.model_facts import resolve_model_facts
+    from fsdp_turbo.distributed.tensor_parallel import resolve_tp_plan
+    from fsdp_turbo.fsdp_turbo_config import TPPlanConfig
+
+    return resolve_tp_plan(model, TPPlanConfig(**plan), 2, resolve_model_facts(model))
+
+
+def _usual_tp_plan(sequence_parallel=True):
+    from composed_jobs import FSDP_TP
+
+    return {k: v for k, v in FSDP_TP["tp_plan"].items() if sequence_parallel or k != "sequence_parallel"}
+
+
+def test_tp_plan_splits_lora_layers_with_their_base_layers():
+    """Colwise: base and lora_B colwise, lora_A replicated on the input the parent prepares.
+    Rowwise: base and lora_A rowwise, lora_B replicated (sequence-local, its gradients summed
+    over TP, under sequence parallel). r=3 does not divide TP=2: only the replicated factor has it."""
+    from peft_jobs import PROJECTIONS
+
+    plan = _lora_tp_plan(peft_model(targets=PROJECTIONS, rank_pattern={"q_proj": 3}), **_usual_tp_plan())
+    kinds = plan.kinds
+    assert kinds[f"{LAYER}.self_attn"] == "prepare_input" and f"{LAYER}.self_attn.q_proj" not in kinds
+    # the head's parent holds the blocks: the model itself, not a module whose input is prepared
+    assert "base_model.model" not in kinds
+    for proj in ("self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj", "mlp.up_proj"):
+        assert [kinds[f"{LAYER}.{proj}.{piece}"] for piece in ("base_layer", "lora_A.default", "lora_B.default")] \
+            == ["colwise", "replicate_prepared", "colwise"], proj
+    for proj in ("self_attn.o_proj", "mlp.down_proj"):
+        assert [kinds[f"{LAYER}.{proj}.{piece}"] for piece in ("base_layer", "lora_A.default", "lora_B.default")] \
+            == ["rowwise", "rowwise", "replicate_sequence_local"], proj
+    styles = dict(plan.styles)
+    assert styles[f"{LAYER}.self_attn.o_proj.lora_A.default"].sequence_sharded  # reduce-scattered, as the base
+    assert not styles[f"{LAYER}.self_attn.q_proj.lora_B.default"].sequence_sharded  # the prepared input
+    dims = dict(plan.shard_dims)
+    q, o = f"{LAYER}.self_attn.q_proj", f"{LAYER}.self_attn.o_proj"
+    assert (dims[f"{q}.base_layer.weight"], dims[f"{q}.lora_B.default.weight"]) == (0, 0)
+    assert (dims[f"{o}.base_layer.weight"], dims[f"{o}.lora_A.default.weight"]) == (1, 1)
+    assert f"{q}.lora_A.default.weight" not in dims and f"{o}.lora_B.default.weight" not in dims
+    assert plan.local_shape(f"{q}.lora_B.default.weight", (64, 3)) == (32, 3)
+    rows = {row.label: row.names for row in plan.describe()}
+    assert f"{q}.lora_A.default" in rows["tp_plan (replicate_prepared)"]
+    assert f"{o}.lora_B.default" in rows["tp_plan (replicate_sequence_local)"]
+    # without sequence parallel the rowwise LoRA path ends replicated, as the base's does
+    kinds = _lora_tp_plan(peft_model(targets=PROJECTIONS), **_usual_tp_plan(sequence_parallel=False)).kinds
+    assert kinds[f"{o}.lora_B.default"] == "replicate" and kinds[f"{o}.lora_A.default"] == "rowwise"
+
+
+def test_tp_plan_of_a_lora_output_head_keeps_both_terms_vocab_sharded():
+    from peft_jobs import PROJECTIONS
+
+    plan = _lora_tp_plan(peft_model(targets=[*PROJECTIONS, "lm_head"]), **_usual_tp_plan())
+    styles, head = dict(plan.styles), "base_model.model.lm_head"
+    assert plan.loss_head == head
+    # no parent prepares the head's (sequence-sharded) input: the LoRA layer gathers it once itself
+    assert styles[head].kind == "prepare_input" and styles[head].sequence_sharded
+    for piece in ("base_layer", "lora_B.default"):
+        assert styles[f"{head}.{piece}"].kind == "colwise" and styles[f"{head}.{piece}"].vocab_shards
+    assert styles[f"{head}.lora_A.default"].kind == "replicate_prepared"
+
+
+def _loha_model():
+    from peft import LoHaConfig, get_peft_model
+    from peft_jobs import ATTENTION
+
+    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+
+    return get_peft_model(tiny_hf_causal_lm("llama"), LoHaConfig(r=4, target_modules=ATTENTION))
+
+
+@pytest.mark.parametrize("build,plan,message", [
+    (lambda: peft_model(lora_dropout=0.1), {}, rf"tp_plan.colwise_parallel='{LAYER}.self_attn.q_proj' is invalid: "
+     r".*Dropout\(p=0.1\).* Fix: set lora_dropout=0 in the LoraConfig or leave .*q_proj out of"),
+    (lambda: peft_model(use_dora=True), {}, rf"'{LAYER}.self_attn.q_proj' is invalid: .*LoRA variants "
+     r"\['default: Dora.*Fix: train plain LoRA"),
+    (_loha_model, {}, r"self_attn.q_proj' is invalid: .*loha.* tuner layer \(base_layer: Linear\)"),
+    (peft_model, {"colwise_parallel": ["*.q_proj.base_layer"], "rowwise_parallel": []},
+     rf"'{LAYER}.self_attn.q_proj.base_layer' is invalid: .*inside the LoRA layer .*Fix: pick the LoRA layer"),
+])
+def test_tp_plan_refuses_what_it_cannot_split_by_name(build, plan, message):
+    from fsdp_turbo.core.errors import ConfigError
+
+    tp_plan = {"colwise_parallel": ["*.q_proj", "*.k_proj", "*.v_proj"], "rowwise_parallel": ["*.o_proj"], **plan}
+    with pytest.raises(ConfigError, match=message):
+        _lora_tp_plan(build(), **tp_plan)
+
+
+@pytest.fixture(scope="module")
+def tp_reference():
+    from peft_jobs import tp_reference_runs
+
+    return run_reference(tp_reference_runs, timeout=300)
+
+
+@pytest.mark.multirank
+def test_lora_parity_under_fsdp2_x_tp2(tp_reference):
+    """FSDP=2 x TP=2, LoRA on every projection: with sequence parallel and loss parallel, without
+    sequence parallel, and with the output head a LoRA layer too (one launch)."""
+    from peft_jobs import TP_LAYOUTS, tp_facade_runs
+    from torch.distributed.tensor import Replicate, Shard
+
+    colwise, rowwise, replicated = str(Shard(0)), str(Shard(1)), str(Replicate())
+    expected = {"self_attn.q_proj.base_layer.weight": colwise, "self_attn.q_proj.lora_A.default.weight": replicated,
+                "self_attn.q_proj.lora_B.default.weight": colwise, "self_attn.o_proj.base_layer.weight": rowwise,
+                "self_attn.o_proj.lora_A.default.weight": rowwise, "self_attn.o_proj.lora_B.default.weight": replicated}
+    for per_rank in run_distributed(tp_facade_runs, 4, timeout=600):
+        for name, (targets, _) in TP_LAYOUTS.items():
+            record, frozen_grads, placements = per_rank[name]
+            reference = tp_reference[name]
+            assert len(reference.grads) == 2 * 2 * len(targets) - 2 * ("lm_head" in targets)  # adapters only
+            try:
+                assert_parity(reference, record, **TOL)
+            except AssertionError as error:
+                raise AssertionError(f"{name}: {error}") from error
+            assert frozen_grads == [], name
+            assert placements == expected, name
