@@ -154,6 +154,15 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session
+def demo_lora(session: nox.Session) -> None:
+    """LoRA on the shipped chat data: `fsdp-turbo train examples/sft_tiny_lora.yaml` on 4 CPU ranks
+    (adapter-only checkpoints; final/ in PEFT's format, final_merged/ in transformers')."""
+    _install(session, _package("fsdp-turbo", "[peft]"), *(_package(n) for n in ALL_PACKAGES[:-1]))
+    session.run("fsdp-turbo", "train", "examples/sft_tiny_lora.yaml", "--nproc-per-node", "4",
+                "--output-dir", str(ROOT / "sft_lora_output"), "--resume", "none", *session.posargs)
+
+
+@nox.session
 def demo_sft(session: nox.Session) -> None:
     """SFT on the shipped chat data and tokenizer: `fsdp-turbo train examples/sft_tiny.yaml` on 4 CPU ranks."""
     _install(session, _package("fsdp-turbo"), *(_package(n) for n in ALL_PACKAGES[:-1]))

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fsdp_turbo.checkpoint import safe_dcp
 from fsdp_turbo.checkpoint.atomic import fsync_tree, move_into_place
@@ -57,6 +57,11 @@ class Saved:
     run: str  # the run that wrote it ("legacy" for a flat checkpoints/step-N of older versions)
     step: int
     saved_at: float  # seconds since the epoch, from meta.json
+
+
+# Frozen parameters (a LoRA model's base) never change: the job's source holds them, so
+# checkpoints are the trainable parameters and their optimizer state only.
+TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
 
 
 def new_run_id() -> str:
@@ -152,7 +157,7 @@ def save_checkpoint(output_dir: str | Path, run: str, step: int, model: torch.nn
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash
             partial.mkdir(parents=True)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(partial))
     with every_rank_or_none("save_checkpoint", device):
         torch.save(get_rng_state(device.type), partial / f"rng-rank{rank}.pt")
@@ -174,10 +179,11 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     """Load model, optimizer and this rank's RNG states; return ``meta.json``."""
     with every_rank_or_none("load_checkpoint", device):
         meta = read_meta(path)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
     state = {"model": model_state, "optimizer": optimizer_state}
     safe_dcp.load(state, path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=TRAINABLE_ONLY)
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng = path / f"rng-rank{rank}.pt"
     with every_rank_or_none("load_checkpoint", device):

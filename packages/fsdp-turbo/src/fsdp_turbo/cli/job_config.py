@@ -22,6 +22,7 @@ from fsdp_turbo.core.validation import (
     check_float,
     check_int,
     check_keys,
+    check_patterns,
 )
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
@@ -427,6 +428,47 @@ class CheckpointSection(ConfigSection):
 
 
 @dataclass(frozen=True)
+class PeftSection(ConfigSection):
+    """LoRA fine-tuning with PEFT (``pip install fsdp-turbo[peft]``): the model is wrapped by
+    ``peft.get_peft_model`` on the meta device before FSDPTurbo shards it; only the adapters
+    train. Checkpoints then hold the adapters and their optimizer state only (the base is read
+    again from ``model.model_name_or_path`` on resume); ``final/`` holds the adapter in PEFT's
+    format (``adapter_config.json``, ``adapter_model.safetensors``)."""
+
+    _prefix: ClassVar[str] = "peft"
+
+    method: str = "lora"
+    """The PEFT method: ``"lora"``, the only one."""
+    r: int = 8
+    """The LoRA rank (an integer >= 1)."""
+    alpha: float = 16.0
+    """LoRA's ``lora_alpha``: the adapters' output is scaled by ``alpha / r``."""
+    dropout: float = 0.0
+    """LoRA's dropout on the adapters' input, in [0, 1)."""
+    target_modules: tuple[str, ...] = ()
+    """Patterns of the modules that get adapters, in the library's wildcard syntax and the base
+    model's names, e.g. ``["*.q_proj", "*.v_proj"]`` (resolved to PEFT's exact module names)."""
+    target_parameters: tuple[str, ...] = ()
+    """PEFT's ``target_parameters``: parameters (not modules) that get adapters, e.g. MoE expert
+    weights ``["mlp.experts.gate_up_proj"]``, in PEFT's own suffix syntax."""
+    export_merged: bool = False
+    """Whether the run also writes ``final_merged/``: the base with the adapters folded in, in
+    transformers' layout."""
+
+    def __post_init__(self) -> None:
+        _set(self, "method", check_choice(self.method, "peft.method", ("lora",)))
+        check_int(self.r, "peft.r", minimum=1)
+        check_float(self.alpha, "peft.alpha", minimum=0.0, strict=True)
+        check_float(self.dropout, "peft.dropout", minimum=0.0, maximum=0.999)
+        _set(self, "target_modules", check_patterns(self.target_modules, "peft.target_modules"))
+        _set(self, "target_parameters", check_patterns(self.target_parameters, "peft.target_parameters"))
+        if not self.target_modules and not self.target_parameters:
+            raise ConfigError("peft.target_modules", [], "name the modules that get adapters, e.g. "
+                              "['*.q_proj', '*.v_proj'] (or peft.target_parameters)")
+        check_bool(self.export_merged, "peft.export_merged")
+
+
+@dataclass(frozen=True)
 class JobConfig(ConfigSection):
     """A whole job file: each section, and where the run writes."""
 
@@ -437,6 +479,7 @@ class JobConfig(ConfigSection):
         "run": RunSection,
         "checkpoint": CheckpointSection,
         "logging": LoggingSection,
+        "peft": PeftSection,
         "turbo": FSDPTurboConfig,
     }
     _prefix: ClassVar[str] = ""  # sections are named as they stand in the file
@@ -459,6 +502,9 @@ class JobConfig(ConfigSection):
     logging: LoggingSection = field(default_factory=LoggingSection)
     """TensorBoard and the plain progress lines' interval. Default: no TensorBoard, a line
     every step."""
+    peft: PeftSection | None = None
+    """LoRA fine-tuning (``peft.method``, ``r``, ``alpha``, ``dropout``, ``target_modules``,
+    ``target_parameters``). Unset: full fine-tuning."""
     turbo: FSDPTurboConfig = field(default_factory=FSDPTurboConfig)
     """The whole ``FSDPTurboConfig`` (parallel sizes, FSDP/TP/EP/CP plans, recompute, chunked
     loss, swapping, quantization, compile), in its own field names. Default: FSDP over every
@@ -474,7 +520,9 @@ class JobConfig(ConfigSection):
             raise ConfigError("model", None, "add a model section (an HF config dict or model_name_or_path)")
         for name, kind in self._nested.items():
             value = getattr(self, name)
-            if value is None and name != "model":
+            if value is None and name in ("model", "peft"):
+                continue  # required (model) or optional (peft): None is checked or kept
+            if value is None:
                 _set(self, name, kind())  # an empty section in the file: its defaults
             elif not isinstance(getattr(self, name), kind):
                 raise ConfigError(name, value, f"use a mapping of {kind.__name__} fields")

@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from fsdp_turbo.checkpoint import LoadReport, init_weights, load_pretrained
-from fsdp_turbo.cli.job_config import ModelSection
+from fsdp_turbo.cli.job_config import ModelSection, PeftSection
 from fsdp_turbo.core.dtypes import parse_dtype
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.patterns import match_modules
 
 
 def hf_config(section: ModelSection):
@@ -32,12 +33,30 @@ def _known_model_type(model_type: str) -> str:
     return model_type
 
 
-def build_model(section: ModelSection) -> nn.Module:
-    """The model on the meta device: its structure, no storage. No rank ever holds it whole."""
+def build_model(section: ModelSection, peft: PeftSection | None = None) -> nn.Module:
+    """The model on the meta device: its structure, no storage. No rank ever holds it whole.
+    With ``peft``, wrapped by PEFT (its adapters on the meta device too)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config(section), dtype=parse_dtype(section.dtype, "model.dtype"))
+        model = AutoModelForCausalLM.from_config(hf_config(section), dtype=parse_dtype(section.dtype, "model.dtype"))
+        return model if peft is None else wrap_peft(model, peft)
+
+
+def wrap_peft(model: nn.Module, section: PeftSection) -> nn.Module:
+    """``get_peft_model`` with the section's LoRA settings. Its module patterns are resolved with
+    the library's own matcher, so the job file speaks one pattern language, and handed to PEFT
+    as exact names."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ConfigError("peft", section.method, "pip install 'fsdp-turbo[peft]'",
+                          reason="the peft package is not installed") from None
+    targets = (sorted(match_modules(model, section.target_modules, field="peft.target_modules"))
+               if section.target_modules else None)
+    config = LoraConfig(r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout, target_modules=targets,
+                        target_parameters=list(section.target_parameters) or None)
+    return get_peft_model(model, config)
 
 
 def fill_weights(model: nn.Module, section: ModelSection, seed: int) -> LoadReport | None:

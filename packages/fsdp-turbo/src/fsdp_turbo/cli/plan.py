@@ -97,7 +97,7 @@ def make_plan(job: JobConfig, world_size: int | None = None, *,
     ``nodes`` adds the placement block, and sets the world size (``nodes.world``)."""
     world = nodes.world if nodes is not None else world_size or default_world_size(job)
     sizes = job_sizes(job, world).parallel  # the accumulation is checked too, as train checks it
-    model = build_model(job.model)
+    model = build_model(job.model, job.peft)
     # train runs every job under torchrun, so this plans for a launched job (FSDP is on
     # even at world size 1); planning communicates nothing and builds no mesh.
     state = ParallelState(sizes, rank=0, device_type=detect_device_type(job.turbo.device_type), distributed=True)
@@ -135,7 +135,9 @@ def make_plan(job: JobConfig, world_size: int | None = None, *,
         f"; {model_memory.tokens // job.run.micro_batch} tokens a sequence on each rank")
     lines += [
         "memory per rank (estimate):",
-        f"  parameters        {memory.parameters / MIB:10.2f} MiB",
+        f"  parameters        {memory.parameters / MIB:10.2f} MiB"
+        + (f" ({(memory.parameters - memory.frozen) / MIB:.2f} trainable, {memory.frozen / MIB:.2f} frozen)"
+           if memory.frozen else ""),
         f"  gradients         {memory.gradients / MIB:10.2f} MiB",
         f"  optimizer states  {memory.optimizer / MIB:10.2f} MiB{on_host}",
         f"  model state       {memory.model_state / MIB:10.2f} MiB",

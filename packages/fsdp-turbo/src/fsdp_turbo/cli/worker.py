@@ -146,7 +146,7 @@ def _end_group(watch: FailFast | None) -> None:
 
 def _model(job: JobConfig, device: torch.device) -> torch.nn.Module:
     with every_rank_or_none("build the model", device):
-        return build_model(job.model)  # on the meta device
+        return build_model(job.model, job.peft)  # on the meta device
 
 
 def _data(job: JobConfig, model: torch.nn.Module, device: torch.device) -> JobData:
@@ -172,8 +172,10 @@ def _resume_point(job: JobConfig, resume: str, device: torch.device) -> Resume:
 
 def _weights(job: JobConfig, model: torch.nn.Module, point: Resume) -> None:
     """The starting weights: the job's (a checkpoint folder, or ``init_weights``), or none yet
-    when a training checkpoint is resumed (its values are loaded over these)."""
-    if point.checkpoint is not None:
+    when a training checkpoint is resumed (its values are loaded over these). Training
+    checkpoints hold trainable parameters only, so frozen ones (a LoRA model's base) are read
+    from the job's source on resume too: they never change."""
+    if point.checkpoint is not None and all(p.requires_grad for p in model.parameters()):
         materialize(model)
         return
     report = fill_weights(model, job.model, job.run.seed)
@@ -183,7 +185,8 @@ def _weights(job: JobConfig, model: torch.nn.Module, point: Resume) -> None:
 
 
 def _optimizer(job: JobConfig, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
-    optimizer = build_optimizer(list(model.parameters()), job.optimizer)
+    # only what trains: frozen parameters (a LoRA model's base) get no optimizer state
+    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], job.optimizer)
     return optimizer, build_scheduler(optimizer, job.optimizer, job.run.steps)
 
 
@@ -358,7 +361,9 @@ def _loop(session: Session, last: int) -> None:
 def _finish(session: Session) -> None:
     """The end of the whole job: the model in transformers' layout, and the loss plot."""
     output = Path(session.job.output_dir)
-    save_pretrained(session.model, output / "final")
+    save_pretrained(session.model, output / "final")  # a PEFT model: its adapter, in PEFT's format
+    if session.job.peft is not None and session.job.peft.export_merged:
+        save_pretrained(session.model, output / "final_merged", merge_adapters=True)
     with every_rank_or_none("plot the loss", session.device):
         if session.rank0:
             plot_loss(output)

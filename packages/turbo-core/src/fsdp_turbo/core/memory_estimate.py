@@ -7,7 +7,7 @@ it. CP divides the tokens. Recompute, activation swap, the chunked loss and loss
 parallel change which activations stay, and the optimizer swap moves the states to the
 host.
 
-Model state: fp32 parameters and their gradients; AdamW keeps two fp32 states per
+Model state: fp32 parameters and the trainable ones' gradients; AdamW keeps two fp32 states per trainable
 parameter and a 4-byte step per tensor. MX quantization keeps fp32 master weights, so it
 does not change the model state.
 
@@ -39,6 +39,7 @@ class ParamLayout:
     shape: list[int]  # after the TP / EP splits
     shards: int = 1  # FSDP shards of ``shard_dim`` (padded to a multiple, as FSDP2 does)
     shard_dim: int = 0
+    trainable: bool = True  # frozen (e.g. a LoRA model's base): no gradient, no optimizer state
 
     def numel(self) -> int:
         if not self.shape:
@@ -54,6 +55,7 @@ class MemoryEstimate:
     gradients: int
     optimizer: int
     activations: int
+    frozen: int = 0  # of ``parameters``, the bytes of frozen ones
 
     @property
     def model_state(self) -> int:
@@ -85,16 +87,19 @@ class MemoryModel:
         moe_width = model_config_value(model, "moe_intermediate_size")
         inter = top_k * moe_width if top_k and moe_width else model_config_value(model, "intermediate_size") or 0
         layers = len(facts.blocks) or model_config_value(model, "num_hidden_layers") or 0
-        params = {name: ParamLayout(list(param.shape)) for name, param in model.named_parameters()}
+        params = {name: ParamLayout(list(param.shape), trainable=param.requires_grad)
+                  for name, param in model.named_parameters()}
         return cls(params, tokens, hidden, inter, layers, model_config_value(model, "vocab_size") or 0,
                    per_layer=16 * hidden + 3 * inter)
 
     def totals(self) -> MemoryEstimate:
         parameters = sum(layout.numel() for layout in self.params.values()) * FP32
-        optimizer = 2 * parameters + FP32 * len(self.params) if self.optimizer_on_device else 0
+        trainable = [layout for layout in self.params.values() if layout.trainable]
+        gradients = sum(layout.numel() for layout in trainable) * FP32
+        optimizer = 2 * gradients + FP32 * len(trainable) if self.optimizer_on_device else 0
         kept = self.layers * self.tokens * self.per_layer + self.tokens * self.rerun
         if self.swapped:
             kept = min(kept, 2 * kept // max(self.layers, 1))
         logit_rows = min(self.tokens, self.logit_chunk) if self.logit_chunk else self.tokens
         activations = (kept + 2 * logit_rows * self.vocab // self.vocab_shards) * FP32
-        return MemoryEstimate(parameters, parameters, optimizer, activations)
+        return MemoryEstimate(parameters, gradients, optimizer, activations, parameters - gradients)
