@@ -7,7 +7,8 @@ compute in the forward) and ``domino`` (independent token slices, each slice's a
 overlapped with the other slices' expert GEMMs in the forward and in the backward; see
 ``domino``); all give the same numbers. Expert containers are
 recognised by the registered expert forms (``register_expert_form``); the built-in ones
-are HF's fused experts, a ModuleList of experts and torchtitan's ``GroupedExperts``.
+are HF's fused experts, a ModuleList of experts, torchtitan's ``GroupedExperts`` and fused
+experts inside PEFT's LoRA wrappers (``LoraConfig.target_parameters``; see ``lora_experts``).
 """
 
 from fsdp_turbo.distributed.expert_parallel.counted_experts import CountedExperts
@@ -22,6 +23,7 @@ from fsdp_turbo.distributed.expert_parallel.forms import (
     register_expert_form,
     unregister_expert_form,
 )
+from fsdp_turbo.distributed.expert_parallel.lora_experts import LoraExperts
 from fsdp_turbo.distributed.expert_parallel.module import ExpertParallel, is_expert_parallel, make_expert_parallel
 from fsdp_turbo.distributed.expert_parallel.plan import EPPlan, resolve_ep_plan
 from fsdp_turbo.distributed.expert_parallel.sharding import expert_fsdp_mesh, shard_experts
@@ -42,6 +44,7 @@ __all__ = [
     "ExpertParallel",
     "ExpertParallelTransform",
     "FusedExperts",
+    "LoraExperts",
     "apply_ep_plan",
     "apply_expert_parallel",
     "expert_adapter",

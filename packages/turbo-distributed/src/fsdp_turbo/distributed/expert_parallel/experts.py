@@ -57,18 +57,29 @@ class FusedExperts(ExpertAdapter):
         found = fused_experts_form(module)
         return None if found is None else cls(found.num_experts, found.transposed)
 
+    def experts_module(self, module: nn.Module) -> nn.Module:
+        """The module that holds the fused weights, ``_apply_gate`` and ``act_fn``: the container
+        itself (a form that wraps it, such as ``LoraExperts``, says where it is)."""
+        return module
+
     def _param_names(self, module: nn.Module) -> list[str]:
         return [n for n in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
                 if isinstance(getattr(module, n, None), nn.Parameter)]
 
     def keep_local_experts(self, module: nn.Module, first: int, count: int, ep_mesh) -> None:
-        keep_expert_rows(module, self._param_names(module), first, count, ep_mesh)
+        experts = self.experts_module(module)
+        keep_expert_rows(experts, self._param_names(experts), first, count, ep_mesh)
+
+    def weight(self, module: nn.Module, name: str) -> torch.Tensor:
+        """This rank's block of fused weight ``name`` as the GEMMs use it (stored layout)."""
+        return local_tensor(getattr(self.experts_module(module), name))
 
     def _weights(self, module: nn.Module) -> tuple[torch.Tensor, ...]:
-        gate_up, down = local_tensor(module.gate_up_proj), local_tensor(module.down_proj)
+        gate_up, down = self.weight(module, "gate_up_proj"), self.weight(module, "down_proj")
         if self.transposed:  # stored [E, K, N]; the GEMMs want [E, N, K]
             gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-        biases = [getattr(module, n, None) for n in ("gate_up_proj_bias", "down_proj_bias")]
+        experts = self.experts_module(module)
+        biases = [getattr(experts, n, None) for n in ("gate_up_proj_bias", "down_proj_bias")]
         return gate_up, down, *[local_tensor(b) if isinstance(b, torch.Tensor) else None for b in biases]
 
     @staticmethod
@@ -80,21 +91,23 @@ class FusedExperts(ExpertAdapter):
         return module.act_fn(gate) * up
 
     def eager(self, module: nn.Module, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        if is_quantized(module):  # MX experts only come as grouped GEMMs
+        experts = self.experts_module(module)
+        if is_quantized(experts):  # MX experts only come as grouped GEMMs
             order = torch.argsort(expert, stable=True)
-            sizes = torch.bincount(expert, minlength=local_tensor(module.gate_up_proj).shape[0])
+            sizes = torch.bincount(expert, minlength=local_tensor(experts.gate_up_proj).shape[0])
             return self.grouped(module, x[order], sizes)[torch.argsort(order)]
         gate_up, down, gate_up_bias, down_bias = self._weights(module)
 
         def run(e: int, rows: torch.Tensor) -> torch.Tensor:
             h = F.linear(rows, gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
-            return F.linear(self._gate(module, h), down[e], None if down_bias is None else down_bias[e])
+            return F.linear(self._gate(experts, h), down[e], None if down_bias is None else down_bias[e])
 
         return loop_over_experts(x, expert, gate_up.shape[0], run)
 
     def grouped(self, module: nn.Module, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        if is_quantized(module):
-            return call_op(QUANTIZED_EXPERTS_OP, x.device.type, module, x, group_sizes)
+        experts = self.experts_module(module)
+        if is_quantized(experts):
+            return call_op(QUANTIZED_EXPERTS_OP, x.device.type, experts, x, group_sizes)
         gate_up, down, gate_up_bias, down_bias = self._weights(module)
         offsets = torch.cumsum(group_sizes, 0)
 
@@ -104,7 +117,7 @@ class FusedExperts(ExpertAdapter):
             return bias.repeat_interleave(group_sizes, dim=0, output_size=x.shape[0])
 
         h = grouped_linear(x, gate_up.to(x.dtype), offsets) + bias_rows(gate_up_bias)
-        return grouped_linear(self._gate(module, h), down.to(x.dtype), offsets) + bias_rows(down_bias)
+        return grouped_linear(self._gate(experts, h), down.to(x.dtype), offsets) + bias_rows(down_bias)
 
 
 def _expert_list(module: nn.Module) -> nn.ModuleList | None:

@@ -39,8 +39,9 @@ class ExpertAdapter(abc.ABC):
     so it can sit in the expert-parallel plan.
 
     A form implements :meth:`detect`, :meth:`keep_local_experts` and :meth:`eager`; also
-    :meth:`grouped` for the ``fused``, ``mc2`` and ``domino`` dispatchers' grouped GEMMs, and
-    :meth:`run_forward` when its forward is not ``(hidden_states, top_k_index, top_k_weights)``.
+    :meth:`grouped` for the ``fused``, ``mc2`` and ``domino`` dispatchers' grouped GEMMs,
+    :meth:`run_forward` when its forward is not ``(hidden_states, top_k_index, top_k_weights)``,
+    and :meth:`check` when a container of the form may ask for something it cannot do.
     ``form`` describes it in the error for a module no form recognises."""
 
     num_experts: int
@@ -65,6 +66,12 @@ class ExpertAdapter(abc.ABC):
         default is :meth:`eager` on those rows: override it with grouped GEMMs."""
         local = torch.arange(group_sizes.numel(), device=x.device)
         return self.eager(module, x, torch.repeat_interleave(local, group_sizes, output_size=x.shape[0]))
+
+    def check(self, name: str, module: nn.Module) -> None:
+        """Raise ``ConfigError`` for what this container asks that the form cannot honour under
+        expert parallel (called by the planner, before anything is changed or sent). The
+        default asks nothing."""
+        return None
 
     def run_forward(self, dispatch: Dispatch, *args, **kwargs) -> torch.Tensor:
         """The container's forward, expert-parallel: turn its arguments into ``dispatch``'s
@@ -102,15 +109,17 @@ def expert_adapter(module: nn.Module) -> ExpertAdapter | None:
     return None if found is None else found[1]
 
 
-def keep_expert_rows(module: nn.Module, names: Sequence[str], first: int, count: int, ep_mesh) -> None:
-    """For forms whose parameters hold one expert per row of dim 0: keep rows
-    ``[first, first + count)`` of each parameter in ``names``. A DTensor sharded over EP keeps
-    the global shape, so ``state_dict``, DCP and ``full_tensor()`` see all experts."""
+def keep_expert_rows(module: nn.Module, names: Sequence[str], first: int, count: int, ep_mesh, *,
+                     rows_per_expert: int = 1) -> None:
+    """For forms whose parameters hold each expert's ``rows_per_expert`` rows together along
+    dim 0 (one row: a fused ``[E, ...]`` weight; ``r`` rows: a LoRA ``lora_A [E * r, in]``):
+    keep experts ``[first, first + count)`` of each parameter in ``names``. A DTensor sharded
+    over EP keeps the global shape, so ``state_dict``, DCP and ``full_tensor()`` see all experts."""
     from torch.distributed.tensor import DTensor, Shard
 
     for name in names:
         full = getattr(module, name)
-        block = full.detach()[first : first + count].clone()
+        block = full.detach()[first * rows_per_expert : (first + count) * rows_per_expert].clone()
         local = DTensor.from_local(block, ep_mesh, [Shard(0)], run_check=False) if ep_mesh else block
         setattr(module, name, nn.Parameter(local, requires_grad=full.requires_grad))
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.model_facts import ModelFacts
-from fsdp_turbo.core.patterns import match_modules
+from fsdp_turbo.core.patterns import TUNER_SEGMENT, match_modules
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow
 from fsdp_turbo.distributed.expert_parallel.forms import ExpertAdapter, expert_adapter, expert_forms
 from fsdp_turbo.distributed.expert_parallel.module import is_expert_parallel
@@ -55,9 +55,23 @@ def _containers(model: nn.Module, plan: EPPlanConfig, facts: ModelFacts) -> dict
     return {expert.name: model.get_submodule(expert.name) for expert in facts.experts}
 
 
+def _check_not_wrapped(name: str) -> None:
+    """A container that a tuner layer wraps (PEFT's LoRA on expert parameters) is sharded
+    through its outermost wrapper, whose adapters shard with the experts (``LoraExperts``);
+    converting the inner module alone would leave the adapters whole and unsharded."""
+    parts = name.split(".")
+    if TUNER_SEGMENT not in parts:
+        return
+    wrapper = ".".join(parts[: parts.index(TUNER_SEGMENT)])
+    raise ConfigError("ep_plan.apply_modules", name, f"point the pattern at {wrapper!r}, the tuner layer that "
+                      "wraps it (e.g. '*mlp.experts': patterns see through PEFT)",
+                      reason="the module is a tuner layer's base_layer; its LoRA adapters live in the wrapper")
+
+
 def resolve_ep_plan(model: nn.Module, plan: EPPlanConfig, ep_size: int, facts: ModelFacts) -> EPPlan:
     """The expert containers (``plan.apply_modules``' picks, else the model facts'), each with
-    the adapter of the first registered expert form that recognises it. Raises
+    the adapter of the first registered expert form that recognises it, which checks what the
+    container asks of it (:meth:`ExpertAdapter.check`). Raises
     ``ConfigError`` (the same on every rank) and never communicates."""
     matches = _containers(model, plan, facts)
     containers: list[tuple[str, ExpertAdapter]] = []
@@ -65,6 +79,7 @@ def resolve_ep_plan(model: nn.Module, plan: EPPlanConfig, ep_size: int, facts: M
         if is_expert_parallel(module):
             raise ConfigError("ep_plan.apply_modules", name, "apply expert parallel once",
                               reason="the module is already expert-parallel")
+        _check_not_wrapped(name)
         adapter = expert_adapter(module)
         if adapter is None:
             expected = "; or ".join(form.form for form in expert_forms())
@@ -73,6 +88,7 @@ def resolve_ep_plan(model: nn.Module, plan: EPPlanConfig, ep_size: int, facts: M
                               "form for it with register_expert_form (an ExpertAdapter subclass)",
                               reason=f"{type(module).__name__} is not an expert container: it matches no "
                                      f"registered expert form ({expected})")
+        adapter.check(name, module)
         if adapter.num_experts % ep_size:
             raise ConfigError("expert_parallel_size", ep_size,
                               f"use a divisor of the number of experts ({adapter.num_experts})",

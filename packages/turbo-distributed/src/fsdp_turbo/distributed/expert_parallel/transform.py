@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.model_facts import ModelFacts, resolve_model_facts
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Plans, Stage, Transform
 from fsdp_turbo.distributed.expert_parallel.dispatchers import ExpertGroup
+from fsdp_turbo.distributed.expert_parallel.lora_experts import LoraExperts
 from fsdp_turbo.distributed.expert_parallel.module import make_expert_parallel
 from fsdp_turbo.distributed.expert_parallel.plan import EPPlan, containers_to_shard, resolve_ep_plan
 from fsdp_turbo.fsdp_turbo_config import EPPlanConfig, FSDPTurboConfig
@@ -36,6 +38,21 @@ def apply_expert_parallel(model: nn.Module, plan: EPPlanConfig, ep_mesh,
     return apply_ep_plan(model, resolve_ep_plan(model, plan, ep_mesh.size(), facts), ep_mesh)
 
 
+def check_lora_expert_fsdp(plan: EPPlan, efsdp: int) -> None:
+    """LoRA experts need whole experts per expert-FSDP rank. With fewer local experts than
+    efsdp ranks, expert FSDP shards dim 1 (``expert_placement``), which for ``lora_B`` is the
+    dim whose expert columns EP already holds strided (``_StridedShard``): FSDP2 then computes
+    right but describes the shards wrongly, so ``full_tensor()``, ``state_dict`` and checkpoints
+    of ``lora_B`` would come out permuted."""
+    for name, adapter in plan.containers:
+        local = adapter.num_experts // plan.ep
+        if isinstance(adapter, LoraExperts) and local < efsdp:
+            raise ConfigError("expert_fully_shard_parallel_size", efsdp,
+                              f"keep at least one whole expert per expert-FSDP rank: an expert-FSDP size of at "
+                              f"most {local}, or a smaller expert_parallel_size",
+                              reason=f"{name} has LoRA on its experts and {local} experts per EP rank")
+
+
 class ExpertParallelTransform(Transform):
     """Experts split over ``expert_parallel_size`` ranks; tokens travel by all-to-all."""
 
@@ -46,6 +63,7 @@ class ExpertParallelTransform(Transform):
              upstream: Plans, facts: ModelFacts) -> EPPlan:
         plan = resolve_ep_plan(model, config.ep_plan, parallel_state.ep_size, facts)
         containers_to_shard(model, config.ep_plan.apply_efsdp_modules, plan.container_names, require_all=True)
+        check_lora_expert_fsdp(plan, parallel_state.efsdp_size)
         return plan
 
     def apply(self, model: nn.Module, plan: EPPlan, parallel_state: ParallelState) -> nn.Module:
