@@ -101,3 +101,43 @@ def tp_facade_runs() -> dict[str, tuple]:
                       if "layers.0." in n and ("q_proj" in n or "o_proj" in n)}
         results[name] = (record, frozen_grads, placements)
     return results
+
+
+# ----- expert parallel: LoRA on the attention and on the experts (target_parameters) -------------------
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+EP_DISPATCHERS = ["eager", "fused", "mc2", "domino"]
+EP_LAYOUT = {"expert_parallel_size": 2, "fully_shard_parallel_size": 4}  # EP=2 x efsdp 2 on 4 ranks
+
+
+def moe_peft_model():
+    """A tiny Qwen3-MoE with LoRA on the attention and, per expert, on its fused weights."""
+    return peft_model("qwen3_moe", ATTENTION, target_parameters=EXPERT_PARAMETERS)
+
+
+def moe_reference_run():
+    return train_steps(moe_peft_model(), BATCHES)
+
+
+def _local_layout(param) -> tuple[tuple[int, ...], str]:
+    from torch.distributed.tensor import DTensor
+
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return tuple(local.shape), str(param.placements) if isinstance(param, DTensor) else ""
+
+
+def ep_facade_runs() -> dict[str, tuple]:
+    """Every dispatcher of ``EP_DISPATCHERS`` in the same ranks: the record, the parameters with
+    a gradient that should have none, and the local shape and placements of layer 0's expert
+    parameters (the adapters' included)."""
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    results = {}
+    for dispatcher in EP_DISPATCHERS:
+        model = FSDPTurbo({**EP_LAYOUT, "ep_plan": {"dispatcher": dispatcher}}, moe_peft_model())
+        state = model.parallel_state
+        layouts = {n.split("layers.0.mlp.")[-1]: _local_layout(p) for n, p in model.named_parameters()
+                   if "layers.0.mlp.experts" in n}
+        record = train_steps(model, [shard_rows(b, state.dp_rank, state.dp_size) for b in BATCHES])
+        frozen_grads = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+        results[dispatcher] = (record, frozen_grads, layouts)
+    return results

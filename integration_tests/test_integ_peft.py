@@ -44,6 +44,131 @@ def test_lora_parity(reference, layout):
         assert len(record.losses) == len(BATCHES)
 
 
+# ----- expert parallel: LoRA on the experts' fused weights (target_parameters) and on the attention -----
+def _moe_router_inputs(rows: int = 12):
+    import torch
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, 64, generator=generator, requires_grad=True)
+    index = torch.randint(0, 8, (rows, 2), generator=generator)
+    return x, index, torch.rand(rows, 2, generator=generator)
+
+
+def test_lora_wrapped_experts_are_one_container_named_by_the_base_model_pattern():
+    """The model facts and ep_plan.apply_modules both find the outermost PEFT wrapper (it holds
+    the adapters the experts shard with); naming the wrapped module itself is refused."""
+    import torch
+    from peft_jobs import moe_peft_model
+
+    from fsdp_turbo.core.errors import ConfigError
+    from fsdp_turbo.core.model_facts import resolve_model_facts
+    from fsdp_turbo.distributed.expert_parallel import LoraExperts, resolve_ep_plan
+    from fsdp_turbo.fsdp_turbo_config import EPPlanConfig
+
+    model = moe_peft_model()
+    wrappers = [f"base_model.model.model.layers.{i}.mlp.experts" for i in (0, 1)]
+    facts = resolve_model_facts(model)
+    assert [(e.name, e.form) for e in facts.experts] == [(name, "LoraExperts") for name in wrappers]
+    plan = resolve_ep_plan(model, EPPlanConfig(apply_modules=("*mlp.experts",)), 2, facts)
+    assert plan.container_names == tuple(wrappers)
+    adapter = plan.containers[0][1]
+    wrapped = (("", "down_proj"), ("base_layer", "gate_up_proj"))  # PEFT nests one wrapper per parameter
+    assert adapter == LoraExperts(8, False, wrapped, "base_layer.base_layer")
+    assert type(model.get_submodule(wrappers[0])).__name__ == "ParamWrapper"  # nothing changed by planning
+    with pytest.raises(ConfigError, match=r"ep_plan.apply_modules=.*layers.0.mlp.experts.base_layer.base_layer.* "
+                                          r"Fix: point the pattern at '.*layers.0.mlp.experts'"):
+        resolve_ep_plan(model, EPPlanConfig(apply_modules=("*.experts.base_layer.base_layer",)), 2, facts)
+    # what the fold cannot replay is refused before anything is sent (PEFT itself refuses dropout
+    # on a ParamWrapper; a dropout put there afterwards is caught too)
+    model.get_submodule(wrappers[1]).lora_dropout["default"] = torch.nn.Dropout(0.1)
+    with pytest.raises(ConfigError, match=r"LoraConfig.lora_dropout=.*layers.1.mlp.experts.down_proj .*"
+                                          r"Fix: set lora_dropout=0"):
+        resolve_ep_plan(model, EPPlanConfig(), 2, facts)
+
+
+def test_lora_experts_need_whole_experts_per_expert_fsdp_rank():
+    """2 experts over EP=2 leave 1 per rank for efsdp 2: expert FSDP would shard dim 1, lora_B's
+    strided expert dim, whose shards FSDP2 then describes wrongly. Refused at plan time."""
+    from peft import LoraConfig, get_peft_model
+    from peft_jobs import EXPERT_PARAMETERS
+
+    from fsdp_turbo.core.errors import ConfigError
+    from fsdp_turbo.core.model_facts import resolve_model_facts
+    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+    from fsdp_turbo.distributed.expert_parallel import resolve_ep_plan
+    from fsdp_turbo.distributed.expert_parallel.transform import check_lora_expert_fsdp
+    from fsdp_turbo.fsdp_turbo_config import EPPlanConfig
+
+    model = get_peft_model(tiny_hf_causal_lm("qwen3_moe", num_experts=2),
+                           LoraConfig(r=4, target_modules=["q_proj"], target_parameters=EXPERT_PARAMETERS))
+    plan = resolve_ep_plan(model, EPPlanConfig(), 2, resolve_model_facts(model))
+    check_lora_expert_fsdp(plan, 1)  # efsdp 1: whole experts, nothing to refuse
+    with pytest.raises(ConfigError, match=r"expert_fully_shard_parallel_size=2 is invalid: .*layers.0.mlp.experts "
+                                          r"has LoRA on its experts and 1 experts per EP rank. Fix: .* at most 1"):
+        check_lora_expert_fsdp(plan, 2)
+
+
+@pytest.mark.parametrize("dispatcher", ["eager", "fused", "mc2", "domino"])
+def test_lora_experts_form_is_peft_math_on_all_and_on_local_experts(dispatcher):
+    """One process: each dispatcher through the LoRA form gives PEFT's own forward and adapter
+    gradients; keeping experts 4..7 (EP rank 1 of 2) keeps exactly their adapter rows/columns."""
+    import copy
+
+    import torch
+    from peft_jobs import moe_peft_model
+
+    from fsdp_turbo.distributed.expert_parallel import DISPATCHERS, ExpertGroup, expert_adapter
+
+    wrapper = moe_peft_model().get_submodule("base_model.model.model.layers.0.mlp.experts")
+    adapter = expert_adapter(wrapper)
+    x, index, weights = _moe_router_inputs()
+    adapters = lambda m: [m.lora_A.default.weight, m.lora_B.default.weight,  # noqa: E731
+                          m.base_layer.lora_A.default.weight, m.base_layer.lora_B.default.weight]
+    expected = wrapper(x, index, weights)  # PEFT: parametrized base weights
+    expected_grads = torch.autograd.grad(expected.square().sum(), adapters(wrapper))
+    ours = copy.deepcopy(wrapper)
+    out = DISPATCHERS[dispatcher](ours, ExpertGroup(adapter, 8, 1, None, 2), x, index, weights)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(out.square().sum(), adapters(ours)), expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+    local = copy.deepcopy(wrapper)
+    adapter.keep_local_experts(local, 4, 4, None)
+    rows = (index >= 4).all(1)  # tokens routed to experts 4..7 only
+    run = lambda m, first: adapter.eager(m, x[rows], index[rows, 0] - first)  # noqa: E731
+    torch.testing.assert_close(run(local, 4), run(wrapper, 0), rtol=0, atol=0)
+    a, b = local.lora_A.default.weight, local.lora_B.default.weight
+    assert a.shape == (16, 32) and b.shape == (64, 16)  # r * 4 local experts
+    torch.testing.assert_close(a, wrapper.lora_A.default.weight[16:], rtol=0, atol=0)
+    torch.testing.assert_close(b, wrapper.lora_B.default.weight.view(64, 4, 8)[:, :, 4:].reshape(64, 16),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.multirank
+def test_lora_on_attention_and_experts_at_ep2_x_efsdp2_every_dispatcher():
+    """Qwen3-MoE at EP=2 x efsdp 2 (4 ranks), LoRA on the attention and on every expert's fused
+    weights, each dispatcher in one launch, against single-process PEFT. The adapters' expert
+    dimension shards with the experts: DTensors on (efsdp, ep) of PEFT's global shapes."""
+    from peft_jobs import EP_DISPATCHERS, ep_facade_runs, moe_reference_run
+
+    reference = run_reference(moe_reference_run, timeout=300)
+    # 4 attention projections + 2 expert weights, lora_A and lora_B each, in 2 layers: adapters only
+    assert len(reference.grads) == 2 * (4 + 2) * 2
+    for results in run_distributed(ep_facade_runs, 4, timeout=600):
+        assert list(results) == EP_DISPATCHERS
+        for dispatcher, (record, frozen_grads, layouts) in results.items():
+            assert_parity(reference, record, **TOL)
+            assert frozen_grads == [], dispatcher
+            # 8 experts / ep 2 = 4 local, r = 4: lora_A keeps rows [e*r, (e+1)*r) of its 4 experts
+            # (Shard(0) on ep), lora_B their strided columns (_StridedShard(1, split_factor=r));
+            # then expert FSDP halves dim 0 over efsdp 2
+            assert layouts["experts.lora_A.default.weight"] == (
+                (8, 32), "(_StridedShard(dim=0, sf=2), Shard(dim=0))"), dispatcher
+            assert layouts["experts.lora_B.default.weight"] == (
+                (32, 16), "(Shard(dim=0), _StridedShard(dim=1, sf=4))"), dispatcher
+            assert layouts["experts.base_layer.base_layer.gate_up_proj"][0] == (2, 64, 64)
+
+
 # ----- tensor parallel: a LoRA layer is split with its base layer --------------------------------------
 LAYER = "base_model.model.model.layers.0"
 
