@@ -97,21 +97,28 @@ class CheckpointFiles:
             p.name for p in directory.glob("*.safetensors"))
         if not names:
             raise CheckpointError("path", str(path), MODEL_FIX, reason="it has no *.safetensors file")
+        found = cls.of_files(directory, names, reason=f"{INDEX} names it but it is not there")
+        if weight_map is not None:
+            wrong = sorted(k for k, name in weight_map.items() if found.files.get(k) != directory / name)
+            if wrong:
+                raise CheckpointError(INDEX, wrong[:8], "write the index again from the files",
+                                      reason=f"{len(wrong)} tensor(s) are not in the file the index names")
+        return found
+
+    @classmethod
+    def of_files(cls, directory: Path, names: list[str], *, reason: str) -> CheckpointFiles:
+        """The tensors of the safetensors files ``names`` in ``directory`` (headers only);
+        a missing file is a ``CheckpointError`` saying ``reason``."""
         files, shapes, dtypes = {}, {}, {}
         for name in names:
             file = directory / name
             if not file.is_file():
                 raise CheckpointError(name, str(file), "copy the missing file, or the whole checkpoint, again",
-                                      reason=f"{INDEX} names it but it is not there")
+                                      reason=reason)
             with _open(file) as handle:
                 for key in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                     part = handle.get_slice(key)
                     files[key], shapes[key], dtypes[key] = file, tuple(part.get_shape()), part.get_dtype()
-        if weight_map is not None:
-            wrong = sorted(k for k, name in weight_map.items() if files.get(k) != directory / name)
-            if wrong:
-                raise CheckpointError(INDEX, wrong[:8], "write the index again from the files",
-                                      reason=f"{len(wrong)} tensor(s) are not in the file the index names")
         return cls(directory, files, shapes, dtypes)
 
     def read(self, key: str, box: tuple[slice, ...]) -> torch.Tensor:

@@ -17,8 +17,9 @@ from fsdp_turbo.checkpoint.materialize import allocate, target_device
 from fsdp_turbo.checkpoint.shards import local_box, local_tensors, overlap
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.blueprint import blueprint as blueprint_of
-from fsdp_turbo.core.errors import CheckpointError
+from fsdp_turbo.core.errors import CheckpointError, ConfigError
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.patterns import is_peft_model
 
 _log = get_logger(__name__)
 # Mapped file pages count as this process's memory until the file is closed: close the
@@ -80,7 +81,8 @@ def _read_piece(files: CheckpointFiles, piece: Piece, box) -> int:
     return data.numel() * data.element_size()
 
 
-def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> LoadReport:
+def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool = True,
+                    adapter: str | os.PathLike | None = None) -> LoadReport:
     """Load the Hugging Face checkpoint at ``path`` into ``model``. A collective: call it on
     every rank.
 
@@ -91,11 +93,17 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
     Values are converted to the model's dtypes; tied weights are read once; non-persistent
     buffers (rotary frequencies) are rebuilt by the model's own initialisation.
 
+    For a PEFT model (``get_peft_model``), ``path`` is the base model's checkpoint (its own
+    names: no ``base_model.model.`` prefix, no ``base_layer``), read into the frozen weights;
+    ``adapter``, a folder ``PeftModel.save_pretrained`` wrote, is read into the active
+    adapter's weights, its ``adapter_config.json`` checked against the model's LoraConfig.
+    Without ``adapter`` the adapters are initialised as PEFT does (``init_lora_weights``).
+
     A missing, unexpected or misshapen tensor, a missing or truncated file, or a directory
     that is not a model raises ``CheckpointError`` on every rank, before anything is read;
     where only some ranks find the fault, the others raise ``PeerFailure`` with its message.
     With ``strict=False`` missing tensors are initialised as ``init_weights`` would and
-    unexpected ones ignored, each named in one warning.
+    unexpected ones ignored, each named in one warning (an adapter folder is always strict).
     """
     device = target_device(model)
     # Checked on every rank, then agreed on: a file one node cannot see (another disk, a
@@ -103,34 +111,62 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
     with every_rank_or_none("load_pretrained", device):
         files = CheckpointFiles.open(path)
         blueprint = blueprint_of(model)
-        layout = _own_layout(checkpoint_layout(blueprint), files)
+        layout, adapter_part, initialised = _layouts(blueprint, files, adapter)
         missing, unexpected = _compare(layout, files, model, strict)
     allocate(model, blueprint)
     local = local_tensors(model)
     read = 0
     with every_rank_or_none("load_pretrained", device):
-        since_release = 0
-        absent = set(missing)
-        for model_key, pieces in layout.pieces.items():
-            if model_key not in local:
-                continue  # another rank's experts
-            box = local_box(local[model_key])
-            for piece in pieces:
-                if piece.key in absent:
-                    continue
-                done = _read_piece(files, piece, box)
-                read, since_release = read + done, since_release + done
-                if since_release > RELEASE_EVERY:
-                    files.release()
-                    since_release = 0
-        files.release()
-        rebuild = non_persistent_buffers(blueprint) | {k for k, pieces in layout.pieces.items()
-                                                        if any(p.key in absent for p in pieces)}
+        read = _read_layout(layout, files, local, set(missing))
+        if adapter_part is not None:
+            read += _read_layout(*adapter_part, local, set())
+        rebuild = non_persistent_buffers(blueprint) | initialised | {
+            k for k, pieces in layout.pieces.items() if any(p.key in set(missing) for p in pieces)}
         set_by_module(model, blueprint, local, rebuild, seed=0)
     if missing or unexpected:
         _log.warning(f"load_pretrained (strict=False): initialised {len(missing)} missing tensor(s) "
                      f"{list(missing[:8])}, ignored {len(unexpected)} unexpected {list(unexpected[:8])}")
-    return LoadReport(read, files.nbytes, missing, unexpected)
+    nbytes = files.nbytes + (adapter_part[1].nbytes if adapter_part is not None else 0)
+    return LoadReport(read, nbytes, missing, unexpected)
+
+
+def _layouts(blueprint: nn.Module, files: CheckpointFiles, adapter: str | os.PathLike | None
+             ) -> tuple[Layout, tuple[Layout, CheckpointFiles] | None, set[str]]:
+    """Where the checkpoint's tensors go; for a PEFT model also the adapter folder's, and the
+    adapter tensors to initialise (those of the adapters no folder gives)."""
+    if not is_peft_model(blueprint):
+        if adapter is not None:
+            raise ConfigError("adapter", os.fspath(adapter), "pass adapter only for a PEFT model (get_peft_model)",
+                              reason=f"{type(blueprint).__name__} has no adapters")
+        return _own_layout(checkpoint_layout(blueprint), files), None, set()
+    from fsdp_turbo.checkpoint import peft_adapters
+
+    view = peft_adapters.peft_view(blueprint)
+    layout = peft_adapters.in_model_keys(_own_layout(checkpoint_layout(view.base), files), view)
+    initialised = peft_adapters.adapter_model_keys(blueprint)
+    if adapter is None:
+        return layout, None, initialised
+    adapter_files, adapter_layout = peft_adapters.open_adapter(blueprint, adapter)
+    return layout, (adapter_layout, adapter_files), initialised - set(adapter_layout.pieces)
+
+
+def _read_layout(layout: Layout, files: CheckpointFiles, local: dict[str, torch.Tensor], absent: set[str]) -> int:
+    """Read this rank's boxes of every piece of ``layout`` (but the ``absent`` ones); returns bytes read."""
+    read = since_release = 0
+    for model_key, pieces in layout.pieces.items():
+        if model_key not in local:
+            continue  # another rank's experts
+        box = local_box(local[model_key])
+        for piece in pieces:
+            if piece.key in absent:
+                continue
+            done = _read_piece(files, piece, box)
+            read, since_release = read + done, since_release + done
+            if since_release > RELEASE_EVERY:
+                files.release()
+                since_release = 0
+    files.release()
+    return read
 
 
 def _own_layout(layout: Layout, files: CheckpointFiles) -> Layout:

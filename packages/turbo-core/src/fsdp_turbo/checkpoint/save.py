@@ -10,10 +10,11 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fsdp_turbo.checkpoint.atomic import move_into_place
+from fsdp_turbo.checkpoint.gather import holders as holders_of
+from fsdp_turbo.checkpoint.gather import whole, world
 from fsdp_turbo.checkpoint.layout import checkpoint_layout
 from fsdp_turbo.checkpoint.materialize import target_device
 from fsdp_turbo.checkpoint.shards import local_tensors
@@ -21,46 +22,10 @@ from fsdp_turbo.core import hf
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.blueprint import blueprint as blueprint_of
 from fsdp_turbo.core.blueprint import has_meta_tensors
-from fsdp_turbo.core.errors import CheckpointError
-from fsdp_turbo.core.model_inspect import is_dtensor
+from fsdp_turbo.core.errors import CheckpointError, ConfigError
+from fsdp_turbo.core.patterns import is_peft_model
 
 INDEX = "model.safetensors.index.json"
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
-
-
-def _holders(keys: list[str], local: dict[str, torch.Tensor]) -> dict[str, int]:
-    """For tensors some ranks do not hold (a list of experts under expert parallel): the
-    lowest rank that holds each."""
-    world, _ = _world()
-    absent = [k for k in keys if k not in local]
-    if world == 1:
-        return {}
-    everyone: list[list[str]] = [[] for _ in range(world)]
-    dist.all_gather_object(everyone, absent)
-    lacking = {k for ranks_absent in everyone for k in ranks_absent}
-    return {k: min(r for r in range(world) if k not in everyone[r]) for k in keys if k in lacking}
-
-
-def _whole(key: str, value: torch.Tensor | None, holder: int | None, like: torch.Tensor,
-           device: torch.device) -> torch.Tensor:
-    """The full tensor on every rank (a collective when the model is sharded). A tensor only
-    some ranks hold is gathered among them first, then broadcast from the lowest."""
-    whole = None
-    if value is not None:
-        whole = value.full_tensor() if is_dtensor(value) else value
-        whole = whole.detach()
-    if holder is not None:
-        # Only the source's own tensor goes in: the others receive into new memory.
-        sending = dist.get_rank() == holder
-        buffer = whole.to(device) if sending else torch.empty(like.shape, dtype=like.dtype, device=device)
-        dist.broadcast(buffer, src=holder)
-        return buffer.cpu()
-    return whole.cpu()
 
 
 def _config(blueprint: nn.Module, dtype: torch.dtype):
@@ -72,13 +37,35 @@ def _config(blueprint: nn.Module, dtype: torch.dtype):
     return config
 
 
+class ShardedTensors:
+    """The tensors of a (sharded) transformers model by its own keys; ``whole`` is a collective."""
+
+    def __init__(self, model: nn.Module, blueprint: nn.Module, device: torch.device) -> None:
+        self.blueprint, self.device = blueprint, device
+        self.local = local_tensors(model)
+        self.meta = blueprint.state_dict(keep_vars=True)
+        self.holders = holders_of(list(hf.saved_state(blueprint, self.meta)), self.local)
+
+    def whole(self, key: str, writer: int) -> torch.Tensor | None:
+        """Tensor ``key`` whole on the host of rank ``writer`` (None elsewhere); every rank calls it."""
+        full = whole(self.local.get(key), self.holders.get(key), self.meta[key], self.device)
+        return full if world()[1] == writer else None
+
+
 def save_pretrained(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                    max_shard_size: int | str = "5GB") -> Path:
+                    max_shard_size: int | str = "5GB", merge_adapters: bool = False) -> Path:
     """Write ``model`` to ``path`` as transformers' ``save_pretrained`` would: ``config.json``
     (and ``generation_config.json``), the checkpoint's own tensor names and shapes (one
     tensor per MoE expert), in safetensors files of at most ``max_shard_size`` with
     ``model.safetensors.index.json`` when there are several. ``dtype`` casts every tensor
     (default: as the model holds them). A collective: call it on every rank.
+
+    A PEFT model (``get_peft_model``) is written as PEFT's ``PeftModel.save_pretrained``
+    writes it: ``adapter_config.json`` and ``adapter_model.safetensors`` with PEFT's names,
+    adapter weights only (another adapter than ``default`` in its own sub-folder). With
+    ``merge_adapters=True`` it is written instead as the base model with the active adapters
+    merged in (``W + scaling * B @ A``, by PEFT's own merge), which transformers'
+    ``from_pretrained`` loads.
 
     Files are written in turn, each by one rank (file ``i`` by rank ``i % world``). For each
     file, every rank gathers the model tensors it is made of, one at a time, and the writer
@@ -88,11 +75,25 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, dtype: torch.d
     if has_meta_tensors(model):
         raise CheckpointError("model", type(model).__name__, "load_pretrained or init_weights it first",
                               reason="it is still on the meta device")
-    _, rank = _world()
     blueprint = blueprint_of(model)
-    layout = checkpoint_layout(blueprint)
-    local = local_tensors(model)
     device = target_device(model)
+    if is_peft_model(blueprint):
+        from fsdp_turbo.checkpoint import peft_adapters
+
+        if not merge_adapters:
+            return peft_adapters.save_adapters(model, blueprint, path, dtype=dtype)
+        return _save(peft_adapters.MergedTensors(model, blueprint, device), path, dtype, max_shard_size)
+    if merge_adapters:
+        raise ConfigError("merge_adapters", merge_adapters, "pass merge_adapters=True only for a PEFT model "
+                          "(get_peft_model)", reason=f"{type(blueprint).__name__} has no adapters to merge")
+    return _save(ShardedTensors(model, blueprint, device), path, dtype, max_shard_size)
+
+
+def _save(source, path: str | os.PathLike, dtype: torch.dtype | None, max_shard_size: int | str) -> Path:
+    """Write ``source``'s model (``ShardedTensors`` or a merged PEFT model) in transformers' layout."""
+    _, rank = world()
+    blueprint, device = source.blueprint, source.device
+    layout = checkpoint_layout(blueprint)
     meta = hf.saved_state(blueprint, blueprint.state_dict(keep_vars=True))
     saved_dtype = dtype or next(iter(meta.values())).dtype
     # Files are cut along the model's own tensors, so each one is gathered for one file only;
@@ -100,13 +101,12 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, dtype: torch.d
     # same when it saves offloaded weights).
     sizes = {k: torch.empty(t.shape, dtype=dtype or t.dtype, device="meta") for k, t in meta.items()}
     split = hf.split_into_files(sizes, max_shard_size)
-    holders = _holders(list(layout.pieces), local)
     target, partial = Path(path), Path(f"{os.fspath(path)}.partial")
     with every_rank_or_none("save_pretrained", device):
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
-    _write_files(blueprint, split, holders, local, meta, dtype, partial, device)
+    _write_files(source, split, dtype, partial)
     with every_rank_or_none("save_pretrained", device):
         if rank == 0:
             _config(blueprint, saved_dtype).save_pretrained(partial)
@@ -122,21 +122,22 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, dtype: torch.d
     return target
 
 
-def _write_files(blueprint, split, holders, local, meta, dtype, partial: Path, device) -> None:
+def _write_files(source, split, dtype, partial: Path) -> None:
     from safetensors.torch import save_file
 
-    world, rank = _world()
+    size, rank = world()
     for index, (filename, keys) in enumerate(split.filename_to_tensors.items()):
-        writer = index % world
+        writer = index % size
         tensors: dict[str, torch.Tensor] = {}
-        for model_key in keys:
-            whole = _whole(model_key, local.get(model_key), holders.get(model_key), meta[model_key], device)
-            converted = hf.to_checkpoint_layout(blueprint, {model_key: whole})
-            del whole
-            if rank == writer:
+        # Sorted, so a module's tensors come together (a merged LoRA layer is merged once).
+        for model_key in sorted(keys):
+            full = source.whole(model_key, writer)
+            if full is not None:
+                converted = hf.to_checkpoint_layout(source.blueprint, {model_key: full})
                 tensors.update({k: (v.to(dtype) if dtype is not None else v).contiguous()
                                 for k, v in converted.items()})
-        with every_rank_or_none("save_pretrained", device):
+            del full
+        with every_rank_or_none("save_pretrained", source.device):
             if rank == writer:
                 save_file(dict(sorted(tensors.items())), str(partial / filename), metadata={"format": "pt"})
         del tensors
