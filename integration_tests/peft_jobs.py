@@ -103,6 +103,90 @@ def tp_facade_runs() -> dict[str, tuple]:
     return results
 
 
+# ----- fsdp_turbo.checkpoint for PEFT models ---------------------------------------------------------
+EVAL_IDS = make_token_batches(vocab_size=256, global_batch=2, seq_len=16, steps=1, seed=7)[0]
+
+
+def meta_peft_model(kind: str = "llama", *, init_lora_weights: bool | str = False, r: int = 4):
+    """``peft_model``'s LoRA built on the meta device, for ``load_pretrained``."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_hf_causal_lm(kind, device="meta")
+    config = LoraConfig(r=r, lora_alpha=8, target_modules=list(ATTENTION), init_lora_weights=init_lora_weights)
+    with torch.device("meta"):
+        return get_peft_model(base, config)
+
+
+def _logits(model) -> torch.Tensor:
+    from fsdp_turbo.core.testing import full_tensor
+
+    model.eval()
+    with torch.no_grad():
+        return full_tensor(model(input_ids=EVAL_IDS.to(next(model.parameters()).device)).logits).cpu()
+
+
+# layout -> (LoRA targets, config): FSDP; TP with sequence and loss parallel, LoRA on every projection; CP
+SAVE_LAYOUTS = {"fsdp4": (ATTENTION, LAYOUTS["fsdp4"]), "fsdp2 x tp2": TP_LAYOUTS["sp + loss parallel"],
+                "cp2 x fsdp2": (ATTENTION, LAYOUTS["cp2 x fsdp2"])}
+
+
+def train_then_save(kind: str, layout: str, out: str) -> dict:
+    """Train LoRA on the layout, then save the adapter and the merged model. Rank 0 returns
+    the trained full state and, where a rank's forward sees the whole sequence (no CP), the
+    sharded model's logits."""
+    import torch.distributed as dist
+
+    from fsdp_turbo.checkpoint import save_pretrained
+    from fsdp_turbo.core.testing import full_tensor
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    targets, config = SAVE_LAYOUTS[layout]
+    model = FSDPTurbo(config, peft_model(kind, targets))
+    state = model.parallel_state
+    train_steps(model, [shard_rows(b, state.dp_rank, state.dp_size) for b in BATCHES])
+    save_pretrained(model, f"{out}/adapter")
+    save_pretrained(model, f"{out}/merged", merge_adapters=True)
+    full = {k: full_tensor(v) for k, v in model.state_dict().items()}
+    logits = None if config.get("context_parallel_size", 1) > 1 else _logits(model)
+    return {"state": full, "logits": logits} if dist.get_rank() == 0 else {}
+
+
+def load_base_and_adapter(config: dict, base: str, adapter: str, out: str) -> dict:
+    """A meta-built PEFT model, sharded, filled from the base checkpoint plus an adapter
+    folder (then saved again); and one filled from the base alone (adapters initialised
+    as PEFT does: init_lora_weights=True, so lora_B is zero)."""
+    from fsdp_turbo.checkpoint import load_pretrained, save_pretrained
+    from fsdp_turbo.core.testing import full_tensor
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    model = FSDPTurbo(config, meta_peft_model())
+    report = load_pretrained(model, base, adapter=adapter)
+    logits = _logits(model)
+    save_pretrained(model, out)
+    fresh = FSDPTurbo(config, meta_peft_model(init_lora_weights=True))
+    load_pretrained(fresh, base)
+    adapters = {k: full_tensor(v) for k, v in fresh.state_dict().items() if ".lora_" in k}
+    return {"logits": logits, "read": report.read_bytes, "total": report.checkpoint_bytes,
+            "fresh_logits": _logits(fresh), "fresh_adapters": adapters}
+
+
+def load_bad_adapters(config: dict, base: str, adapters: list[str]) -> list[str]:
+    """Each bad adapter folder's error on this rank (its type and message)."""
+    from fsdp_turbo.checkpoint import load_pretrained
+    from fsdp_turbo.core.errors import ConfigError
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    errors = []
+    for adapter in adapters:
+        model = FSDPTurbo(config, meta_peft_model())
+        try:
+            load_pretrained(model, base, adapter=adapter)
+            errors.append("loaded")
+        except (ConfigError, RuntimeError) as error:  # CheckpointError here; PeerFailure if it was another rank's
+            errors.append(f"{type(error).__name__}: {error}")
+    return errors
+
+
 # ----- expert parallel: LoRA on the attention and on the experts (target_parameters) -------------------
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 EP_DISPATCHERS = ["eager", "fused", "mc2", "domino"]

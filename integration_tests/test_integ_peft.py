@@ -5,8 +5,25 @@ The config is the one written for the base model: patterns see through PEFT's pr
 ``base_layer`` (``core.patterns``).
 """
 
+import json
+
 import pytest
-from peft_jobs import BATCHES, LAYOUTS, facade_run, peft_model, reference_run
+import torch
+from peft_jobs import (
+    ATTENTION,
+    BATCHES,
+    EVAL_IDS,
+    LAYOUTS,
+    SAVE_LAYOUTS,
+    facade_run,
+    load_bad_adapters,
+    load_base_and_adapter,
+    peft_model,
+    reference_run,
+    train_then_save,
+)
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from fsdp_turbo.core.patterns import match_modules
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
@@ -42,6 +59,132 @@ def test_lora_parity(reference, layout):
         assert_parity(reference, record, **TOL)
         assert frozen_grads == []
         assert len(record.losses) == len(BATCHES)
+
+
+# ----- fsdp_turbo.checkpoint for PEFT models: adapters, merged models, base + adapter loads -------------
+# adapter_config.json fields that say what the adapter is (peft_version and the like may differ)
+CONFIG_FIELDS = ("peft_type", "task_type", "r", "lora_alpha", "target_modules", "use_rslora", "use_dora",
+                 "fan_in_fan_out", "bias", "lora_bias", "rank_pattern", "alpha_pattern", "base_model_name_or_path",
+                 "inference_mode", "auto_mapping", "modules_to_save")
+
+
+def _tensors(folder, name="adapter_model.safetensors"):
+    with safe_open(folder / name, "pt") as handle:
+        return {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 - a safetensors handle
+
+
+def _eval_logits(model):
+    with torch.no_grad():
+        return model.eval()(input_ids=EVAL_IDS).logits
+
+
+def _assert_same_adapter_files(ours, theirs):
+    """The files PEFT wrote for one process against ours: names, shapes, values, config."""
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    mine, reference = _tensors(ours), _tensors(theirs)
+    assert sorted(mine) == sorted(reference)
+    assert all(k.startswith("base_model.model.") and ".default." not in k and "base_layer" not in k for k in mine)
+    for key, tensor in reference.items():
+        assert mine[key].shape == tensor.shape and mine[key].dtype == tensor.dtype, key
+        assert torch.equal(mine[key], tensor), key
+    config, expected = (json.loads((d / "adapter_config.json").read_text()) for d in (ours, theirs))
+    for field in CONFIG_FIELDS:  # PEFT writes a set (target_modules) in the process's hash order
+        mine_value, their_value = config.get(field), expected.get(field)
+        if isinstance(their_value, list):
+            mine_value, their_value = sorted(mine_value), sorted(their_value)
+        assert mine_value == their_value, field
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", SAVE_LAYOUTS)
+def test_save_pretrained_of_a_trained_sharded_lora_model(layout, tmp_path):
+    """A LoRA model trained on the layout, its adapter saved (what PEFT writes from one
+    process with the same weights; PeftModel.from_pretrained gives the trained model's
+    logits) and its merged model saved (transformers' from_pretrained, the same logits)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+
+    trained = run_distributed(train_then_save, 4, "llama", layout, str(tmp_path), timeout=300)[0]
+    one_process = peft_model("llama", SAVE_LAYOUTS[layout][0])
+    one_process.load_state_dict(trained["state"])
+    one_process.save_pretrained(tmp_path / "peft")
+    _assert_same_adapter_files(tmp_path / "adapter", tmp_path / "peft")
+    expected = _eval_logits(one_process)
+    if trained["logits"] is not None:  # the sharded model's own forward
+        torch.testing.assert_close(trained["logits"], expected, rtol=0, atol=1e-5)
+    loaded = PeftModel.from_pretrained(tiny_hf_causal_lm("llama"), tmp_path / "adapter")
+    torch.testing.assert_close(_eval_logits(loaded), expected, rtol=0, atol=1e-5)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert not any("lora" in k or "base_layer" in k for k in merged.state_dict())
+    torch.testing.assert_close(_eval_logits(merged), expected, rtol=0, atol=1e-5)
+    # the adapters trained: the merged weights are not the base model's
+    base = tiny_hf_causal_lm("llama").state_dict()
+    assert not torch.equal(merged.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+                           base["model.layers.0.self_attn.q_proj.weight"])
+    frozen = "model.embed_tokens.weight"  # not a target: the base weight as it was
+    assert torch.equal(merged.state_dict()[frozen], base[frozen])
+
+
+@pytest.fixture()
+def base_and_adapter(tmp_path):
+    """A base checkpoint transformers wrote and an adapter PEFT wrote from one process."""
+    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+
+    tiny_hf_causal_lm("llama").save_pretrained(tmp_path / "base")
+    model = peft_model()  # lora_B non-zero, so the adapter changes the logits
+    model.save_pretrained(tmp_path / "adapter")
+    return tmp_path / "base", tmp_path / "adapter"
+
+
+@pytest.mark.multirank
+def test_load_pretrained_base_and_adapter_into_a_meta_peft_model_at_fsdp4(base_and_adapter, tmp_path):
+    from peft import PeftModel
+
+    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+
+    base, adapter = base_and_adapter
+    results = run_distributed(load_base_and_adapter, 4, LAYOUTS["fsdp4"], str(base), str(adapter),
+                              str(tmp_path / "again"), timeout=300)
+    expected = _eval_logits(PeftModel.from_pretrained(tiny_hf_causal_lm("llama"), adapter))
+    base_logits = _eval_logits(tiny_hf_causal_lm("llama"))
+    assert not torch.allclose(expected, base_logits, atol=1e-3)  # the adapter matters
+    for result in results:
+        torch.testing.assert_close(result["logits"], expected, rtol=0, atol=1e-5)
+        assert result["read"] < result["total"]  # each rank read its shards only
+        # without an adapter folder: PEFT's init (lora_B zero, lora_A drawn), so the base model's logits
+        torch.testing.assert_close(result["fresh_logits"], base_logits, rtol=0, atol=1e-5)
+        lora_a = [v for k, v in result["fresh_adapters"].items() if "lora_A" in k]
+        lora_b = [v for k, v in result["fresh_adapters"].items() if "lora_B" in k]
+        assert len(lora_a) == len(lora_b) == 8
+        assert all(a.std() > 0 for a in lora_a) and all(b.eq(0).all() for b in lora_b)
+    # loaded and saved again: the same files, bit for bit
+    _assert_same_adapter_files(tmp_path / "again", adapter)
+
+
+@pytest.mark.multirank
+def test_an_adapter_that_does_not_fit_fails_on_every_rank(base_and_adapter, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+
+    base, adapter = base_and_adapter
+    wider = get_peft_model(tiny_hf_causal_lm("llama"), LoraConfig(r=8, lora_alpha=8, target_modules=ATTENTION))
+    wider.save_pretrained(tmp_path / "wrong_r")
+    short = tmp_path / "missing_key"
+    short.mkdir()
+    (short / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    tensors = _tensors(adapter)
+    dropped = sorted(tensors)[0]
+    save_file({k: v for k, v in tensors.items() if k != dropped}, short / "adapter_model.safetensors")
+    cases = {str(tmp_path / "wrong_r"): "adapter_config.json: r=8 is invalid: the model's LoraConfig has r=4",
+             str(short): f"adapter_model.safetensors: {dropped}="}
+    per_rank = run_distributed(load_bad_adapters, 4, LAYOUTS["fsdp4"], str(base), list(cases), timeout=300)
+    for errors in per_rank:
+        for error, expected in zip(errors, cases.values(), strict=True):
+            # each rank found it itself (not a PeerFailure relayed from another rank), naming file, key and fix
+            assert error.startswith("CheckpointError: ") and expected in error and "Fix: " in error, error
 
 
 # ----- expert parallel: LoRA on the experts' fused weights (target_parameters) and on the attention -----
@@ -289,3 +432,16 @@ def test_lora_parity_under_fsdp2_x_tp2(tp_reference):
                 raise AssertionError(f"{name}: {error}") from error
             assert frozen_grads == [], name
             assert placements == expected, name
+
+
+def test_peft_arguments_on_a_model_without_adapters_are_config_errors(tmp_path):
+    from fsdp_turbo.checkpoint import load_pretrained, save_pretrained
+    from fsdp_turbo.core.errors import ConfigError
+    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+
+    model = tiny_hf_causal_lm("llama")
+    with pytest.raises(ConfigError, match="merge_adapters=True is invalid: LlamaForCausalLM has no adapters"):
+        save_pretrained(model, tmp_path / "merged", merge_adapters=True)
+    model.save_pretrained(tmp_path / "base")
+    with pytest.raises(ConfigError, match=r"adapter=.* is invalid: LlamaForCausalLM has no adapters"):
+        load_pretrained(tiny_hf_causal_lm("llama", device="meta"), tmp_path / "base", adapter=tmp_path / "base")
