@@ -262,7 +262,8 @@ def test_lora_experts_form_is_peft_math_on_all_and_on_local_experts(dispatcher):
 
     from fsdp_turbo.distributed.expert_parallel import DISPATCHERS, ExpertGroup, expert_adapter
 
-    wrapper = moe_peft_model().get_submodule("base_model.model.model.layers.0.mlp.experts")
+    model = moe_peft_model()
+    wrapper = model.get_submodule("base_model.model.model.layers.0.mlp.experts")
     adapter = expert_adapter(wrapper)
     x, index, weights = _moe_router_inputs()
     adapters = lambda m: [m.lora_A.default.weight, m.lora_B.default.weight,  # noqa: E731
@@ -285,6 +286,12 @@ def test_lora_experts_form_is_peft_math_on_all_and_on_local_experts(dispatcher):
     torch.testing.assert_close(a, wrapper.lora_A.default.weight[16:], rtol=0, atol=0)
     torch.testing.assert_close(b, wrapper.lora_B.default.weight.view(64, 4, 8)[:, :, 4:].reshape(64, 16),
                                rtol=0, atol=0)
+    # PEFT's disable_adapter() reaches the fold: the experts' own (HF) output
+    with model.disable_adapter(), torch.no_grad():
+        plain = wrapper.base_layer.base_layer(x, index, weights)
+        out = DISPATCHERS[dispatcher](wrapper, ExpertGroup(adapter, 8, 1, None, 2), x, index, weights)
+        torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(out, expected, atol=1e-3)
 
 
 @pytest.mark.multirank
