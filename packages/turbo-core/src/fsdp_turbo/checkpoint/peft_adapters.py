@@ -205,9 +205,18 @@ class MergedTensors:
         fresh = copy.deepcopy(self.peft.get_submodule(layer)).to_empty(device="cpu")
         fresh.load_state_dict(gathered, strict=True)
         with torch.no_grad():
-            fresh.merge()
+            unloaded = _merged_module(fresh)
         name = base_key(layer)
-        return {f"{name}.{k}": v.detach() for k, v in fresh.get_base_layer().state_dict().items()}
+        return {f"{name}.{k}": v.detach() for k, v in unloaded.state_dict().items()}
+
+
+def _merged_module(layer: nn.Module) -> nn.Module:
+    # PEFT's merge_and_unload for one target (BaseTuner._unload_and_optionally_merge): a layer
+    # with its own unloading (nested ParamWrappers on MoE experts) merges its whole chain.
+    if hasattr(layer, "unload_and_optionally_merge_module"):
+        return layer.unload_and_optionally_merge_module(merge=True, safe_merge=False, adapter_names=None)
+    layer.merge()
+    return layer.get_base_layer()
 
 
 # ----- load ------------------------------------------------------------------------------------------
