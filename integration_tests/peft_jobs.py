@@ -125,12 +125,15 @@ def _logits(model) -> torch.Tensor:
         return full_tensor(model(input_ids=EVAL_IDS.to(next(model.parameters()).device)).logits).cpu()
 
 
-# layout -> (LoRA targets, config): FSDP; TP with sequence and loss parallel, LoRA on every projection; CP
-SAVE_LAYOUTS = {"fsdp4": (ATTENTION, LAYOUTS["fsdp4"]), "fsdp2 x tp2": TP_LAYOUTS["sp + loss parallel"],
-                "cp2 x fsdp2": (ATTENTION, LAYOUTS["cp2 x fsdp2"])}
+# layout -> (model, LoRA settings, config): FSDP; TP with sequence and loss parallel, LoRA on every
+# projection; CP; (below) EP with LoRA on the experts
+SAVE_LAYOUTS = {"fsdp4": ("llama", {"targets": ATTENTION}, LAYOUTS["fsdp4"]),
+                "fsdp2 x tp2": ("llama", {"targets": TP_LAYOUTS["sp + loss parallel"][0]},
+                                TP_LAYOUTS["sp + loss parallel"][1]),
+                "cp2 x fsdp2": ("llama", {"targets": ATTENTION}, LAYOUTS["cp2 x fsdp2"])}
 
 
-def train_then_save(kind: str, layout: str, out: str) -> dict:
+def train_then_save(layout: str, out: str) -> dict:
     """Train LoRA on the layout, then save the adapter and the merged model. Rank 0 returns
     the trained full state and, where a rank's forward sees the whole sequence (no CP), the
     sharded model's logits."""
@@ -140,8 +143,8 @@ def train_then_save(kind: str, layout: str, out: str) -> dict:
     from fsdp_turbo.core.testing import full_tensor
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
-    targets, config = SAVE_LAYOUTS[layout]
-    model = FSDPTurbo(config, peft_model(kind, targets))
+    kind, lora, config = SAVE_LAYOUTS[layout]
+    model = FSDPTurbo(config, peft_model(kind, **lora))
     state = model.parallel_state
     train_steps(model, [shard_rows(b, state.dp_rank, state.dp_size) for b in BATCHES])
     save_pretrained(model, f"{out}/adapter")
@@ -225,3 +228,7 @@ def ep_facade_runs() -> dict[str, tuple]:
         frozen_grads = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
         results[dispatcher] = (record, frozen_grads, layouts)
     return results
+
+
+SAVE_LAYOUTS["fsdp4, ep2 x efsdp2"] = ("qwen3_moe", {"targets": ATTENTION, "target_parameters": EXPERT_PARAMETERS},
+                                       {**EP_LAYOUT, "ep_plan": {}})

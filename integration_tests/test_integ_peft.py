@@ -83,7 +83,7 @@ def _assert_same_adapter_files(ours, theirs):
     assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
     mine, reference = _tensors(ours), _tensors(theirs)
     assert sorted(mine) == sorted(reference)
-    assert all(k.startswith("base_model.model.") and ".default." not in k and "base_layer" not in k for k in mine)
+    assert all(k.startswith("base_model.model.") and ".default." not in k for k in mine)  # PEFT's naming
     for key, tensor in reference.items():
         assert mine[key].shape == tensor.shape and mine[key].dtype == tensor.dtype, key
         assert torch.equal(mine[key], tensor), key
@@ -106,25 +106,29 @@ def test_save_pretrained_of_a_trained_sharded_lora_model(layout, tmp_path):
 
     from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 
-    trained = run_distributed(train_then_save, 4, "llama", layout, str(tmp_path), timeout=300)[0]
-    one_process = peft_model("llama", SAVE_LAYOUTS[layout][0])
+    kind, lora, _ = SAVE_LAYOUTS[layout]
+    trained = run_distributed(train_then_save, 4, layout, str(tmp_path), timeout=300)[0]
+    one_process = peft_model(kind, **lora)
     one_process.load_state_dict(trained["state"])
     one_process.save_pretrained(tmp_path / "peft")
     _assert_same_adapter_files(tmp_path / "adapter", tmp_path / "peft")
     expected = _eval_logits(one_process)
     if trained["logits"] is not None:  # the sharded model's own forward
         torch.testing.assert_close(trained["logits"], expected, rtol=0, atol=1e-5)
-    loaded = PeftModel.from_pretrained(tiny_hf_causal_lm("llama"), tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(tiny_hf_causal_lm(kind), tmp_path / "adapter")
     torch.testing.assert_close(_eval_logits(loaded), expected, rtol=0, atol=1e-5)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert not any("lora" in k or "base_layer" in k for k in merged.state_dict())
     torch.testing.assert_close(_eval_logits(merged), expected, rtol=0, atol=1e-5)
     # the adapters trained: the merged weights are not the base model's
-    base = tiny_hf_causal_lm("llama").state_dict()
+    base = tiny_hf_causal_lm(kind).state_dict()
     assert not torch.equal(merged.state_dict()["model.layers.0.self_attn.q_proj.weight"],
                            base["model.layers.0.self_attn.q_proj.weight"])
     frozen = "model.embed_tokens.weight"  # not a target: the base weight as it was
     assert torch.equal(merged.state_dict()[frozen], base[frozen])
+    for name in lora.get("target_parameters", ()):  # LoRA on the experts' fused weights, merged too
+        key = f"model.layers.0.{name}"
+        assert not torch.allclose(merged.state_dict()[key], base[key], atol=1e-4), key
 
 
 @pytest.fixture()
