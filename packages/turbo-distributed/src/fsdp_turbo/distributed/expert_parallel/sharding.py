@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_turbo.core.parallel_state import ParallelState
 
@@ -45,7 +46,8 @@ def divide_expert_gradients(container: nn.Module, factor: float) -> None:
     FSDP reduces. A tensor hook, so it runs once per backward before accumulation (gradient
     accumulation stays a sum of means). Replaces earlier division hooks of the container."""
     stop_dividing_expert_gradients(container)
-    handles = [param.register_hook(lambda grad: grad / factor) for param in container.parameters()]
+    handles = [param.register_hook(lambda grad: grad / factor) for param in container.parameters()
+               if param.requires_grad]  # a LoRA model's frozen experts get no gradient
     object.__setattr__(container, _HOOKS, handles)
 
 
@@ -55,12 +57,22 @@ def stop_dividing_expert_gradients(container: nn.Module) -> None:
     object.__setattr__(container, _HOOKS, [])
 
 
+def clear_of_strided_dims(placement: Callable[[nn.Parameter], Shard]) -> Callable[[nn.Parameter], Shard]:
+    """``placement``, but never on a dim EP holds as ``_StridedShard`` (a LoRA ``lora_B``'s
+    interleaved expert columns): FSDP would record the wrong layout there. Dim 0 instead."""
+    def chosen(param: nn.Parameter) -> Shard:
+        shard = placement(param)
+        strided = {p.dim for p in getattr(param, "placements", ()) if isinstance(p, _StridedShard)}
+        return Shard(0) if shard.dim in strided else shard
+    return chosen
+
+
 def fully_shard_experts(container: nn.Module, mesh, divide_factor: float,
                         placement: Callable[[nn.Parameter], Shard], **fully_shard_kwargs) -> nn.Module:
     """``fully_shard`` one expert-parallel container on ``mesh`` (1-D, or 2-D for HSDP), its
     gradients divided by ``divide_factor`` (FSDP's reduction replaces any division hook)."""
     stop_dividing_expert_gradients(container)
-    fully_shard(container, mesh=mesh, shard_placement_fn=placement, **fully_shard_kwargs)
+    fully_shard(container, mesh=mesh, shard_placement_fn=clear_of_strided_dims(placement), **fully_shard_kwargs)
     container.set_gradient_divide_factor(divide_factor)
     if mesh.device_type != "cuda" and mesh.shape[-1] > 1:  # the shard dim (HSDP: the last)
         # A custom divide factor becomes NCCL's PREMUL_SUM; other backends lack it, so
