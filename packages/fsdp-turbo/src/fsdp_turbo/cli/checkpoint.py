@@ -182,8 +182,10 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
     state = {"model": model_state, "optimizer": optimizer_state}
     safe_dcp.load(state, path)
+    # not strict: the frozen parameters are absent by design (safe_dcp.load has already
+    # refused a checkpoint lacking any trainable one)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=TRAINABLE_ONLY)
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng = path / f"rng-rank{rank}.pt"
     with every_rank_or_none("load_checkpoint", device):

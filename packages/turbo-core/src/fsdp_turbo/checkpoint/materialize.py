@@ -56,12 +56,15 @@ def initialized_tensor(blueprint: nn.Module, module_name: str, module: nn.Module
     allocated (the others stay on the meta device, where initialising costs nothing), so
     a rank holds one tensor at a time, drawn from its own seed. A PEFT model's adapter
     tensors are set as PEFT sets them (``init_lora_weights``), not by the base model's scheme."""
+    key = f"{module_name}.{name}" if module_name else name
     if is_peft_model(blueprint):
-        from fsdp_turbo.checkpoint.peft_adapters import adapter_tensor
+        from fsdp_turbo.checkpoint.peft_adapters import adapter_tensor, base_key
 
         adapter = adapter_tensor(blueprint, module_name, name, seed)
         if adapter is not None:
             return adapter
+        # seeded by its base-model name: a LoRA job's base is the full fine-tuning job's base
+        key = base_key(key)
     fresh = copy.deepcopy(module)
     meta = getattr(fresh, name)
     allocated = torch.empty_like(meta, device="cpu")
@@ -71,7 +74,7 @@ def initialized_tensor(blueprint: nn.Module, module_name: str, module: nn.Module
         fresh._buffers[name] = allocated
     init = getattr(blueprint, "_init_weights", None)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(tensor_seed(seed, f"{module_name}.{name}" if module_name else name))
+        torch.manual_seed(tensor_seed(seed, key))
         if callable(init):
             init(fresh)
         elif callable(getattr(fresh, "reset_parameters", None)):

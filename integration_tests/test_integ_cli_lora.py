@@ -1,0 +1,90 @@
+"""``fsdp-turbo train`` with a ``peft`` section (LoRA), end to end: real torchrun, 2 CPU ranks.
+
+A tiny Qwen3 job (LoRA r=4 on the attention and MLP projections, FSDP with recompute) trains 6
+steps with a checkpoint every 2. An uninterrupted run is the reference; a run whose worker is
+killed (SIGKILL) at step 5 restarts from the step-4 checkpoint and must end with a bit-identical
+adapter. Checkpoints hold the adapters and their optimizer state only; ``final/`` is the adapter in
+PEFT's format, ``final_merged/`` the merged model in transformers' layout, and the two give the
+same logits.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from test_integ_cli import assert_same_weights, checkpoint, metrics, train
+
+pytest.importorskip("peft")
+safetensors = pytest.importorskip("safetensors.torch")
+pytestmark = pytest.mark.multirank
+
+PROJECTIONS = ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.gate_proj", "*.up_proj", "*.down_proj"]
+JOB = {
+    "model": {"config": {
+        "model_type": "qwen3", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "max_position_embeddings": 64, "tie_word_embeddings": False}},
+    "peft": {"r": 4, "alpha": 8, "target_modules": PROJECTIONS, "export_merged": True},
+    "data": {"files": ["stdlib:*.py"], "seq_len": 32, "max_bytes": 200_000},
+    "optimizer": {"lr": 0.003, "warmup_steps": 2},
+    "run": {"steps": 6, "micro_batch": 2, "seed": 0},
+    "checkpoint": {"save_every": 2, "keep": 3},
+    "turbo": {"recompute": True},
+}
+
+
+def adapter(output) -> dict[str, torch.Tensor]:
+    return safetensors.load_file(str(Path(output) / "final" / "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def job_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lora_job") / "job.yaml"
+    path.write_text(yaml.safe_dump(JOB))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(job_file, tmp_path_factory):
+    output = tmp_path_factory.mktemp("lora_reference")
+    train(job_file, output)
+    return output
+
+
+def test_lora_job_writes_an_adapter_a_merged_model_and_adapter_only_checkpoints(reference):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_turbo.checkpoint.safe_dcp import read_metadata
+
+    final = Path(reference) / "final"
+    assert {p.name for p in final.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    saved = adapter(reference)
+    assert saved and all(".lora_A." in name or ".lora_B." in name for name in saved)
+    assert len(saved) == 2 * len(PROJECTIONS) * 2  # lora_A and lora_B, 7 projections, 2 layers
+    # a training checkpoint holds the adapters and their optimizer state, nothing of the base
+    keys = read_metadata(checkpoint(reference, 4)).state_dict_metadata
+    model_keys = [key for key in keys if key.startswith("model.")]
+    assert model_keys and all("lora_" in key for key in model_keys)
+    # the adapter over the job's base (init_weights(seed), rebuilt here in one process) and the
+    # merged export are the same model
+    from fsdp_turbo.checkpoint import init_weights
+    from fsdp_turbo.cli.job_config import JobConfig
+    from fsdp_turbo.cli.model import build_model
+
+    base = init_weights(build_model(JobConfig.from_dict(JOB).model), seed=JOB["run"]["seed"])
+    tuned = PeftModel.from_pretrained(base, final)
+    merged = AutoModelForCausalLM.from_pretrained(Path(reference) / "final_merged")
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    assert [r["step"] for r in metrics(reference)] == list(range(1, 7))
+
+
+def test_kill_9_of_a_lora_worker_recovers_bit_identically(job_file, reference, tmp_path):
+    result = train(job_file, tmp_path, 2, "--max-restarts", 1, env={"FSDP_TURBO_FAULTS": "kill@5:1"})
+    assert "exitcode: -9" in result.stderr
+    assert "resumed from" in result.stderr and "step-4 at step 4" in result.stderr
+    assert_same_weights(adapter(tmp_path), adapter(reference))
+    assert [r["step"] for r in metrics(tmp_path)] == list(range(1, 7))
