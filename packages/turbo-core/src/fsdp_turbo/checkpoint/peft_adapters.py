@@ -82,12 +82,24 @@ def peft_view(blueprint: nn.Module) -> PeftView:
                               "(modules_to_save, trainable_token_indices), or save and load with PEFT on one process",
                               reason="the PEFT model holds these base tensors in a wrapper fsdp_turbo.checkpoint "
                               "does not read yet")
-    layers = {}
+    return PeftView(base, model_keys, _base_layer_tensors(blueprint, state))
+
+
+def _base_layer_tensors(blueprint: nn.Module, state: dict[str, Any]) -> dict[str, str]:
+    """Model key of each tensor inside an outermost tuner layer's ``base_layer`` -> that layer
+    (a nested tuner layer, such as stacked ParamWrappers, belongs to the outermost)."""
+    outermost: set[str] = set()
     for name, module in blueprint.named_modules():
-        if _is_tuner_layer(module) and not any(name.startswith(f"{outer}.") for outer in set(layers.values())):
-            prefix = f"{name}.{TUNER_SEGMENT}."
-            layers.update({k: name for k in state if k.startswith(prefix)})
-    return PeftView(base, model_keys, layers)
+        parts = name.split(".")
+        if _is_tuner_layer(module) and not any(".".join(parts[:i]) in outermost for i in range(1, len(parts))):
+            outermost.add(name)
+    layers = {}
+    for key in state:
+        parts = key.split(".")
+        owner = next((".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in outermost), None)
+        if owner is not None and key.startswith(f"{owner}.{TUNER_SEGMENT}."):
+            layers[key] = owner
+    return layers
 
 
 def in_model_keys(layout: Layout, view: PeftView) -> Layout:
