@@ -10,6 +10,7 @@ from fsdp_turbo.checkpoint.materialize import allocate, initialized_tensor, targ
 from fsdp_turbo.checkpoint.shards import local_box, local_tensors
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.blueprint import blueprint as blueprint_of
+from fsdp_turbo.core.patterns import is_peft_model
 
 
 def set_by_module(model: nn.Module, blueprint: nn.Module, local: dict[str, torch.Tensor], names: set[str] | None,
@@ -25,11 +26,23 @@ def set_by_module(model: nn.Module, blueprint: nn.Module, local: dict[str, torch
             if id(original) in done or prefix + name not in local or (names is not None and prefix + name not in names):
                 continue
             done.add(id(original))
-            whole = initialized_tensor(blueprint, module_name, module, name, seed)
+            whole = _initialized(blueprint, module_name, module, name, seed)
             box = local_box(local[prefix + name])
             with torch.no_grad():
                 box.tensor.copy_(whole[tuple(slice(s, s + n) for s, n in zip(box.start, box.size, strict=True))])
             del whole
+
+
+def _initialized(blueprint: nn.Module, module_name: str, module: nn.Module, name: str, seed: int) -> torch.Tensor:
+    """The model's own scheme, but a PEFT model's adapter tensors as PEFT sets them
+    (``init_lora_weights``), not by the base model's scheme."""
+    if is_peft_model(blueprint):
+        from fsdp_turbo.checkpoint.peft_adapters import adapter_tensor
+
+        adapter = adapter_tensor(blueprint, module_name, name, seed)
+        if adapter is not None:
+            return adapter
+    return initialized_tensor(blueprint, module_name, module, name, seed)
 
 
 def init_weights(model: nn.Module, seed: int = 0) -> nn.Module:

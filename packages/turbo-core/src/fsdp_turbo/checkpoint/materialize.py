@@ -18,7 +18,7 @@ from fsdp_turbo.core.blueprint import has_meta_tensors, release_meta_guard
 from fsdp_turbo.core.device import current_device
 from fsdp_turbo.core.errors import CheckpointError
 from fsdp_turbo.core.model_inspect import tied_parameter_groups
-from fsdp_turbo.core.patterns import is_peft_model
+from fsdp_turbo.core.patterns import base_model_name, is_peft_model
 
 
 def target_device(model: nn.Module) -> torch.device:
@@ -54,17 +54,12 @@ def initialized_tensor(blueprint: nn.Module, module_name: str, module: nn.Module
     scheme: HF's ``_init_weights`` (norms at one, ``initializer_range``, rotary
     frequencies), else ``reset_parameters()``. The module is copied with only that tensor
     allocated (the others stay on the meta device, where initialising costs nothing), so
-    a rank holds one tensor at a time, drawn from its own seed. A PEFT model's adapter
-    tensors are set as PEFT sets them (``init_lora_weights``), not by the base model's scheme."""
+    a rank holds one tensor at a time, drawn from its own seed. (A PEFT model's adapter
+    tensors are set as PEFT sets them: ``init.set_by_module`` asks ``peft_adapters`` first.)"""
     key = f"{module_name}.{name}" if module_name else name
     if is_peft_model(blueprint):
-        from fsdp_turbo.checkpoint.peft_adapters import adapter_tensor, base_key
-
-        adapter = adapter_tensor(blueprint, module_name, name, seed)
-        if adapter is not None:
-            return adapter
         # seeded by its base-model name: a LoRA job's base is the full fine-tuning job's base
-        key = base_key(key)
+        key = base_model_name(key)
     fresh = copy.deepcopy(module)
     meta = getattr(fresh, name)
     allocated = torch.empty_like(meta, device="cpu")

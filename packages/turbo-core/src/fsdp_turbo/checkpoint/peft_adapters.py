@@ -35,7 +35,8 @@ from fsdp_turbo.checkpoint.materialize import target_device, tensor_seed
 from fsdp_turbo.checkpoint.shards import local_tensors
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.errors import CheckpointError
-from fsdp_turbo.core.patterns import PEFT_PREFIX, TUNER_SEGMENT
+from fsdp_turbo.core.model_inspect import is_tuner_layer
+from fsdp_turbo.core.patterns import TUNER_SEGMENT, base_model_name
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft.utils.CONFIG_NAME
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft.utils.SAFETENSORS_WEIGHTS_NAME
@@ -49,15 +50,12 @@ CONFIG_FIELDS = ("peft_type", "r", "lora_alpha", "use_rslora", "rank_pattern", "
 LORA_DICTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 
 
-def base_key(model_key: str) -> str:
-    """A PEFT model's name as the base model has it (``patterns.wrapped_name`` for tensors)."""
-    name = model_key.removeprefix(PEFT_PREFIX)
-    return ".".join(part for part in name.split(".") if part != TUNER_SEGMENT)
+base_key = base_model_name  # a PEFT model's tensor name as the base model has it
 
 
 def _is_tuner_layer(module: nn.Module) -> bool:
     # PEFT's BaseTunerLayer, by shape: it wraps base_layer and can merge into it.
-    return isinstance(getattr(module, "base_layer", None), nn.Module) and callable(getattr(module, "merge", None))
+    return is_tuner_layer(module) and callable(getattr(module, "merge", None))
 
 
 @dataclass(frozen=True)

@@ -106,3 +106,9 @@ def fused_experts_form(module: nn.Module) -> FusedExpertsForm | None:
         return None
     has_bias = any(isinstance(getattr(module, n, None), nn.Parameter) for n in ("gate_up_proj_bias", "down_proj_bias"))
     return FusedExpertsForm(experts, hidden, two_inter // 2, transposed, has_bias)
+
+
+def is_tuner_layer(module: nn.Module) -> bool:
+    """A PEFT tuner layer (LoRA's and the others'), by shape, so that no package imports peft
+    to ask: it holds the module it replaced as ``base_layer``."""
+    return isinstance(module._modules.get("base_layer"), nn.Module)

@@ -111,6 +111,12 @@ def wrapped_name(name: str, peft: bool) -> str | None:
     return ".".join(part for part in parts if part != TUNER_SEGMENT)
 
 
+def base_model_name(name: str) -> str:
+    """A PEFT model's tensor or module name as the base model has it: without the PEFT prefix
+    and the ``base_layer`` segments (checkpoint keys, per-tensor seeds)."""
+    return ".".join(part for part in name.removeprefix(PEFT_PREFIX).split(".") if part != TUNER_SEGMENT)
+
+
 def matches_any(name: str, patterns: Iterable[str]) -> bool:
     return any(compile_pattern(p).matches(name) for p in patterns)
 

@@ -26,11 +26,6 @@ def _linear_dict(module: nn.Module, name: str) -> bool:
     return isinstance(held, nn.ModuleDict) and all(isinstance(m, nn.Linear) for m in held.values())
 
 
-def is_tuner_layer(module: nn.Module) -> bool:
-    """A PEFT tuner layer of any kind: it holds the module it replaced as ``base_layer``."""
-    return isinstance(module._modules.get("base_layer"), nn.Module)
-
-
 def is_lora_linear(module: nn.Module) -> bool:
     """A LoRA layer over an ``nn.Linear``: ``base_layer`` and ``lora_A`` / ``lora_B`` ModuleDicts
     of ``nn.Linear`` with the same adapter names."""

@@ -16,14 +16,13 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.model_facts import ModelFacts
-from fsdp_turbo.core.model_inspect import tied_parameter_groups
+from fsdp_turbo.core.model_inspect import is_tuner_layer, tied_parameter_groups
 from fsdp_turbo.core.patterns import check_disjoint, match_modules
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow
 from fsdp_turbo.distributed.tensor_parallel.lora import (
     adapter_names,
     check_lora_layer,
     is_lora_linear,
-    is_tuner_layer,
     lora_sharded_linears,
 )
 from fsdp_turbo.distributed.tensor_parallel.styles import (
