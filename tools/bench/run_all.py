@@ -35,6 +35,7 @@ BENCHES = {
     "data_pipeline": [],
     "context_parallel": [],
     "peer_torchtitan": [],
+    "lora": [],
 }
 
 

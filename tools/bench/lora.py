@@ -1,0 +1,219 @@
+"""LoRA (PEFT) through FSDPTurbo vs full fine-tuning of the same model on the same layout.
+
+4 gloo ranks (spawned by the shared harness), FSDP=4, float32, a small Llama (hidden 512,
+4 layers, ``MODEL`` below). LoRA: PEFT's ``get_peft_model`` with r=16 on every attention
+and MLP projection (q/k/v/o, gate/up/down), PEFT's default init (``lora_B`` zero, so both
+models start at the same loss, which is checked). The baseline is full fine-tuning: the
+same base model from the same seed, the same FSDPTurbo config. Each side's AdamW takes the
+parameters that train (all of them for full fine-tuning, the adapters for LoRA).
+
+Printed, each as LoRA / full fine-tuning with both raw values:
+
+- model-state bytes per rank after one real step, the largest rank: the total of
+  parameters + gradients + AdamW states, then each of the three alone. Measured as the
+  bytes of the distinct storages behind each rank's local shards (torch's MemTracker
+  cannot track a model with frozen parameters: it hooks every parameter's gradient); for
+  full fine-tuning MemTracker measures it too, as ``model_state.py`` does, and the two are
+  printed side by side (the script stops if they differ). The goal column is the figure
+  expected from element counts (unsharded / 4, no padding):
+  parameters (base + adapters) / base, gradients and AdamW states adapters / base;
+- step time (forward + backward + AdamW step, between barriers): median of the paired
+  ratios, steps alternating between the two models after warm-up, so that machine
+  noise hits both alike. No goal: LoRA skips the frozen weights' gradients, their
+  reduce-scatter and their AdamW update, but FSDP still gathers the frozen base in forward
+  and backward (the input gradients need it) and the adapters add small matmuls.
+
+    python tools/bench/lora.py [--steps 12] [--rows 2] [--seq-len 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from report import result
+
+WORLD = 4
+WARMUP = 2
+RANK = 16
+MODEL = {"vocab_size": 1024, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
+         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CONFIG = {"fully_shard_parallel_size": WORLD}
+KINDS = ("PARAM", "GRAD", "OPT")
+
+
+def build(kind: str):
+    """The base model (same seed on every rank and for both kinds), LoRA-wrapped for ``"lora"``."""
+    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+
+    model = tiny_hf_causal_lm("llama", **MODEL)
+    if kind == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)  # the adapters' init, the same in every process
+        model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS))
+    return model
+
+
+def trained(kind: str):
+    """``build(kind)`` through FSDPTurbo with an AdamW over the parameters that train."""
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    model = FSDPTurbo(CONFIG, build(kind))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    return model, optimizer
+
+
+def tokens(rows: int, seq_len: int) -> torch.Tensor:
+    import torch.distributed as dist
+
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    return torch.randint(0, MODEL["vocab_size"], (rows, seq_len), generator=generator)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor's local shard; FSDP's
+    padding of uneven shards counts, a storage shared by views counts once)."""
+    from torch.distributed.tensor import DTensor
+
+    storages = {}
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def model_state_bytes(kind: str, ids: torch.Tensor) -> dict[str, int]:
+    """Parameters, gradients and AdamW states on this rank after one real step, by storage sums.
+    (MemTracker, which model_state.py uses, registers a gradient hook on every parameter and so
+    raises on a frozen one; it still measures full fine-tuning, as ``memtracker_bytes`` does.)"""
+    model, optimizer = trained(kind)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    return {"PARAM": storage_bytes(model.parameters()),
+            "GRAD": storage_bytes(p.grad for p in model.parameters() if p.grad is not None),
+            "OPT": storage_bytes(t for state in optimizer.state.values() for t in state.values()
+                                 if isinstance(t, torch.Tensor))}
+
+
+def memtracker_bytes(ids: torch.Tensor) -> int:
+    """Full fine-tuning's model state measured by MemTracker, as model_state.py does: a cross-check."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model, optimizer = trained("full")
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        snapshot = {str(k): v for per_device in tracker.get_tracker_snapshot("current").values()
+                    for k, v in per_device.items()}
+    return sum(snapshot.get(f"_MemRefType.{kind}", 0) for kind in KINDS)
+
+
+def _timed_step(model, optimizer, ids: torch.Tensor) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    started = time.perf_counter()
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    dist.barrier()
+    return time.perf_counter() - started
+
+
+def step_times(ids: torch.Tensor, steps: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Alternating timed steps of both models (fresh ones, untouched by MemTracker) and their first loss."""
+    setups = {kind: trained(kind) for kind in ("lora", "full")}
+    with torch.no_grad():
+        losses = {kind: model(input_ids=ids, labels=ids).loss.item() for kind, (model, _) in setups.items()}
+    times = {"lora": [], "full": []}
+    for step in range(WARMUP + steps):
+        for kind in ("lora", "full") if step % 2 == 0 else ("full", "lora"):
+            elapsed = _timed_step(*setups[kind], ids)
+            if step >= WARMUP:
+                times[kind].append(elapsed)
+    return times, losses
+
+
+def rank_main(steps: int, rows: int, seq_len: int) -> dict:
+    ids = tokens(rows, seq_len)
+    memory = {kind: model_state_bytes(kind, ids) for kind in ("lora", "full")}
+    tracked = memtracker_bytes(ids)
+    times, losses = step_times(ids, steps)
+    return {"memory": memory, "memtracker_full": tracked, "times": times, "losses": losses}
+
+
+def element_counts() -> tuple[int, int]:
+    """Unsharded element counts: the base model's, and the adapters' (what LoRA trains)."""
+    lora = build("lora")
+    adapters = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    return sum(p.numel() for p in lora.parameters()) - adapters, adapters
+
+
+def report_memory(per_rank: list[dict], base: int, adapters: int) -> None:
+    # each side's largest rank (padding of uneven shards lands there), as in model_state.py
+    lora = max((rank["memory"]["lora"] for rank in per_rank), key=lambda m: sum(m.values()))
+    full = max((rank["memory"]["full"] for rank in per_rank), key=lambda m: sum(m.values()))
+    mib = 2**20
+    tracked = max(rank["memtracker_full"] for rank in per_rank)
+    print(f"full fine-tuning, largest rank: storage sums {sum(full.values()) / mib:.3f} MiB, "
+          f"MemTracker {tracked / mib:.3f} MiB")
+    if tracked != sum(full.values()):
+        raise SystemExit(f"storage sums and MemTracker disagree on full fine-tuning: {full} vs {tracked}")
+    for name, memory in (("LoRA", lora), ("full", full)):
+        print(f"{name}: largest rank's model state {sum(memory.values()) / mib:.3f} MiB = "
+              + ", ".join(f"{k.lower()} {memory[k] / mib:.3f}" for k in KINDS) + " MiB")
+    # expected per rank from element counts: full = 4 x base (param, grad, 2 AdamW), LoRA = base + 4 x adapters
+    expected = {"PARAM": (base + adapters) / base, "GRAD": adapters / base, "OPT": adapters / base}
+    total_expected = (base + 4 * adapters) / (4 * base)
+    ratio = sum(lora.values()) / sum(full.values())
+    print(f"model state LoRA / full = {ratio:.3f} (expected from element counts {total_expected:.3f}; "
+          f"{adapters:,} adapter vs {base:,} base elements)")
+    result(f"model-state bytes per rank (params + grads + AdamW), LoRA r={RANK} vs full fine-tuning, FSDP={WORLD}",
+           ratio, f"{total_expected:.3f} (element counts)",
+           f"{sum(lora.values()) / mib:.3f} vs {sum(full.values()) / mib:.3f} MiB")
+    labels = {"PARAM": "parameter", "GRAD": "gradient", "OPT": "AdamW-state"}
+    for kind in KINDS:
+        result(f"{labels[kind]} bytes per rank, LoRA r={RANK} vs full fine-tuning, FSDP={WORLD}",
+               lora[kind] / full[kind], f"{expected[kind]:.3f} (element counts)",
+               f"{lora[kind] / mib:.3f} vs {full[kind] / mib:.3f} MiB")
+
+
+def report_time(per_rank: list[dict]) -> None:
+    # A step ends at a barrier, so every rank measures the same wall time; use rank 0's.
+    times, losses = per_rank[0]["times"], per_rank[0]["losses"]
+    if abs(losses["lora"] - losses["full"]) > 1e-5 * abs(losses["full"]):
+        raise SystemExit(f"LoRA (lora_B zero) and the base model disagree before training: {losses}")
+    lora, full = statistics.median(times["lora"]), statistics.median(times["full"])
+    # Steps run in adjacent pairs, so the per-pair ratio cancels slow drift of the machine.
+    paired = statistics.median(a / b for a, b in zip(times["lora"], times["full"], strict=True))
+    print(f"median step LoRA {lora * 1e3:.1f} ms, full fine-tuning {full * 1e3:.1f} ms; ratio of medians "
+          f"{lora / full:.3f}, median paired ratio {paired:.3f} ({len(times['lora'])} pairs)")
+    result(f"step time (fwd + bwd + AdamW), LoRA r={RANK} vs full fine-tuning, FSDP={WORLD}", paired, "reported",
+           f"{lora * 1e3:.1f} vs {full * 1e3:.1f} ms")
+
+
+def main() -> None:
+    from fsdp_turbo.core.testing import run_distributed
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rows", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=128)
+    args = parser.parse_args()
+    base, adapters = element_counts()
+    print(f"world={WORLD} (FSDP) steps={args.steps} rows/rank={args.rows} seq={args.seq_len} model={MODEL}; "
+          f"LoRA r={RANK} on {TARGETS}: {adapters:,} trainable of {base + adapters:,} elements "
+          f"({adapters / base:.2%} of the base)")
+    per_rank = run_distributed(rank_main, WORLD, args.steps, args.rows, args.seq_len, timeout=900)
+    report_memory(per_rank, base, adapters)
+    report_time(per_rank)
+
+
+if __name__ == "__main__":
+    main()
