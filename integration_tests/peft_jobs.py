@@ -232,3 +232,67 @@ def ep_facade_runs() -> dict[str, tuple]:
 
 SAVE_LAYOUTS["fsdp4, ep2 x efsdp2"] = ("qwen3_moe", {"targets": ATTENTION, "target_parameters": EXPERT_PARAMETERS},
                                        {**EP_LAYOUT, "ep_plan": {}})
+
+
+# ----- QLoRA-MX: frozen base weights stored and all-gathered in MX (quantization_plan.store_frozen_weights) -----
+QLORA_FORMATS = ("E4M3", "HIF8")
+QLORA_LAYOUT = {"fully_shard_parallel_size": 4}
+
+
+def qlora_plan(quant_format: str) -> dict:
+    return {"quant_format": quant_format, "apply_modules": [f"*.{m}" for m in ATTENTION],
+            "store_frozen_weights": True}
+
+
+def qlora_reference_runs() -> dict[str, object]:
+    """One process: PEFT over each frozen base weight quantized by the same function, then dequantized."""
+    from fsdp_turbo.fsdp_turbo_config import QuantizeConfig
+    from fsdp_turbo.quantization.frozen import frozen_weight_values
+    from fsdp_turbo.quantization.training.recipe import MXRecipe
+
+    runs = {}
+    for quant_format in QLORA_FORMATS:
+        model, recipe = peft_model(), MXRecipe.from_config(QuantizeConfig(**qlora_plan(quant_format)))
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                if name.endswith("_proj.base_layer"):
+                    module.weight.copy_(frozen_weight_values(module.weight, recipe))
+        runs[quant_format] = train_steps(model, BATCHES)
+    return runs
+
+
+def _frozen_mx_bytes(model) -> tuple[int, int, int]:
+    """(this rank's stored bytes, bytes the all-gathers move, bf16 bytes of the same weights) of the frozen
+    MX weights; the all-gather bytes are what FSDP copies into the collective (its all-gather inputs)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp_turbo.quantization.frozen import MXFrozenLinear
+
+    stored = gathered = bf16 = 0
+    for unit in model.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        group = unit._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            module = fsdp_param._module_info.module
+            if not isinstance(module, MXFrozenLinear) or fsdp_param._module_info.param_name != "weight":
+                continue
+            local = fsdp_param.sharded_param.to_local()
+            stored += local.numel() * local.element_size()
+            ranks = group.mesh_info.shard_mesh_size
+            gathered += sum(t.numel() * t.element_size() for t in fsdp_param.all_gather_inputs) * ranks
+            bf16 += module.out_features * module.in_features * 2 // ranks
+    return stored, gathered, bf16
+
+
+def qlora_facade_runs() -> dict[str, tuple]:
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    runs = {}
+    for quant_format in QLORA_FORMATS:
+        model = FSDPTurbo({**QLORA_LAYOUT, "quantization_plan": qlora_plan(quant_format)}, peft_model())
+        state = model.parallel_state
+        dtypes = sorted({str(p.dtype) for n, p in model.named_parameters() if n.endswith("_proj.base_layer.weight")})
+        record = train_steps(model, [shard_rows(b, state.dp_rank, state.dp_size) for b in BATCHES])
+        runs[quant_format] = (record, dtypes, _frozen_mx_bytes(model))
+    return runs

@@ -14,11 +14,14 @@ from peft_jobs import (
     BATCHES,
     EVAL_IDS,
     LAYOUTS,
+    QLORA_FORMATS,
     SAVE_LAYOUTS,
     facade_run,
     load_bad_adapters,
     load_base_and_adapter,
     peft_model,
+    qlora_facade_runs,
+    qlora_reference_runs,
     reference_run,
     train_then_save,
 )
@@ -470,3 +473,19 @@ def test_a_lora_job_with_expert_adapters_under_ep_is_refused_before_it_trains():
     with pytest.raises(ConfigError, match=r"peft.target_parameters.*expert_parallel_size: 1"):
         JobConfig.from_dict(job)
     JobConfig.from_dict({**job, "turbo": {}})  # without expert parallel: accepted
+
+
+# ----- QLoRA-MX: frozen base weights stored and all-gathered in MX ---------------------------------------
+@pytest.mark.multirank
+def test_qlora_mx_at_fsdp4_matches_peft_over_the_same_quantized_base():
+    """E4M3 and HIF8 frozen bases at FSDP=4 against one-process PEFT over the base the same function
+    quantized; each rank stores, and the all-gathers move, (1 + 1/32) bytes per frozen element."""
+    reference = run_reference(qlora_reference_runs, timeout=300)
+    for runs in run_distributed(qlora_facade_runs, 4, timeout=600):
+        assert set(runs) == set(QLORA_FORMATS)
+        for quant_format, (record, dtypes, (stored, gathered, bf16)) in runs.items():
+            assert_parity(reference[quant_format], record, **TOL)
+            assert len(record.grads) == 2 * 4 * 2  # adapters only
+            assert dtypes == ["torch.uint8"]  # codes and E8M0 scales, packed per row
+            assert stored * 4 == gathered  # the all-gather moves exactly the stored bytes, MX
+            assert stored / bf16 == pytest.approx((1 + 1 / 32) / 2)  # 0.52x of bf16

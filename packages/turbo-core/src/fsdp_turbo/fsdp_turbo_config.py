@@ -438,6 +438,12 @@ class QuantizeConfig(ConfigSection):
     """The element format's largest exponent the block scale aims the block max at, in
     ``[0, max_exponent]``. Unset: the format's own (HIF8 gradients: 7)."""
 
+    store_frozen_weights: bool = False
+    """QLoRA-MX: keep every frozen weight of a converted Linear (a LoRA layer's ``base_layer``) in
+    ``quant_format``: one byte per element and one E8M0 scale per block, about 0.52x of bf16 per rank,
+    and FSDP all-gathers those bytes. The frozen weight is dequantized after the all-gather for the
+    forward and the input-gradient GEMMs; trainable adapters stay high precision. A picked Linear whose
+    weight trains is an error, as are tensor parallel and the experts converter."""
 
     def __post_init__(self) -> None:
         p = self._prefix
@@ -449,6 +455,7 @@ class QuantizeConfig(ConfigSection):
         _set(self, "converters", check_optional_patterns(self.converters, f"{p}.converters"))
         if self.emax_elem is not None:
             check_int(self.emax_elem, f"{p}.emax_elem")
+        check_bool(self.store_frozen_weights, f"{p}.store_frozen_weights")
 
 
 @moved_fields({"swap_activation_force": "swap_force", "swap_optimizer_force": "swap_force"})

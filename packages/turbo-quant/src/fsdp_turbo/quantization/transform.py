@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.parallel_state import ParallelState
@@ -61,6 +62,11 @@ class QuantizeTransform(Transform):
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
              upstream: Plans, facts: ModelFacts) -> QuantizePlan:
         settings, tp = config.quantization_plan, upstream["tensor_parallel"]
+        if settings.store_frozen_weights and tp is not None:
+            raise ConfigError("quantization_plan.store_frozen_weights", True,
+                              "drop tensor parallel (tensor_parallel_size: 1) or store_frozen_weights",
+                              reason="a frozen MX weight is packed in whole rows for FSDP; tensor parallel "
+                              "would split it after packing")
         unsuitable = tensor_parallel_unsuitable(model, tp, settings.block_size) if tp is not None else {}
         conversions, skipped = plan_conversion(model, settings, facts, unsuitable=unsuitable)
         return QuantizePlan(tuple(conversions), MXRecipe.from_config(settings), tuple(skipped))

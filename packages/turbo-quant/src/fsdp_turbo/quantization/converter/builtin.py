@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from fsdp_turbo.quantization.converter.registry import Converter, register_converter
+from fsdp_turbo.quantization.frozen.mx_frozen_linear import MXFrozenLinear, to_mx_frozen_linear
 from fsdp_turbo.quantization.training.mx_experts import (
     MXFusedExperts,
     experts_unsupported,
@@ -35,4 +36,25 @@ MX_EXPERTS = register_converter(Converter(
     handles=lambda m: is_fused_experts(m) and not isinstance(m, MXFusedExperts),
     unsupported=experts_unsupported,
     convert=lambda m, recipe: to_mx_experts(m, recipe),
+))
+
+
+def _frozen_linear_unsupported(module: nn.Linear, recipe: MXRecipe) -> str | None:
+    # the only blocks run along in_features (no gradient of the weight, so no blocks along out_features)
+    return (f"in_features={module.in_features} not divisible by block_size={recipe.block_size}"
+            if module.in_features % recipe.block_size else None)
+
+
+def _is_frozen_linear(module: nn.Module) -> bool:
+    return (isinstance(module, nn.Linear) and not isinstance(module, (MXLinear, MXFrozenLinear))
+            and not module.weight.requires_grad)
+
+
+# Picked for frozen Linears when quantization_plan.store_frozen_weights is set (see plan.py);
+# registered after mx_linear, so without that flag mx_linear handles every Linear as before.
+MX_FROZEN_LINEAR = register_converter(Converter(
+    name="mx_frozen_linear",
+    handles=_is_frozen_linear,
+    unsupported=_frozen_linear_unsupported,
+    convert=lambda m, recipe: to_mx_frozen_linear(m, recipe),
 ))

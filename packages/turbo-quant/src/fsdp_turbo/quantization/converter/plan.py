@@ -9,11 +9,13 @@ from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.model_facts import ModelFacts, resolve_model_facts
+from fsdp_turbo.core.model_inspect import is_tuner_layer
 from fsdp_turbo.core.patterns import match_modules
 from fsdp_turbo.quantization.converter.registry import Converter, converter_names, get_converter
 from fsdp_turbo.quantization.training.recipe import MXRecipe
 
 FIELD = "quantization_plan"
+FROZEN = "mx_frozen_linear"
 
 
 @dataclass(frozen=True)
@@ -71,12 +73,20 @@ def plan_conversion(model: nn.Module, plan, facts: ModelFacts, *, unsuitable: Ma
               if plan.apply_modules is not None else None)
     excluded = {**_default_exclusions(model, facts), **(unsuitable or {})}
     conversions, skipped = [], []
+    store_frozen = bool(getattr(plan, "store_frozen_weights", False))
+    if not store_frozen and plan.converters is not None and FROZEN in plan.converters:
+        raise ConfigError(f"{FIELD}.converters", list(plan.converters), "set store_frozen_weights: true",
+                          reason=f"{FROZEN} stores frozen weights in MX, which store_frozen_weights turns on")
     for name, module in model.named_modules():
         converter = next((c for c in converters if c.handles(module)), None)
         if converter is None or any(_inside(name, skip) for skip in ignored):
             continue
         if picked is not None and not any(_inside(name, p) for p in picked):
             continue
+        if store_frozen:
+            converter = _frozen_choice(model, name, module, converter, excluded)
+            if converter is None:  # a trainable adapter: it trains in high precision
+                continue
         problem = excluded.get(name) or converter.unsupported(module, recipe)
         if problem is not None:
             if picked is not None:
@@ -94,6 +104,33 @@ def plan_conversion(model: nn.Module, plan, facts: ModelFacts, *, unsuitable: Ma
         raise ConfigError(FIELD, plan.quant_format, "drop quantization_plan, or change block_size / ignored_modules "
                           "so that something converts", reason=f"it converts nothing ({left})")
     return conversions, skipped
+
+
+def _in_tuner_layer(model: nn.Module, name: str) -> bool:
+    parts = name.split(".")
+    return any(is_tuner_layer(model.get_submodule(".".join(parts[:i]))) for i in range(1, len(parts)))
+
+
+def _frozen_choice(model: nn.Module, name: str, module: nn.Module, converter: Converter,
+                   excluded: Mapping[str, str]) -> Converter | None:
+    """With ``store_frozen_weights``: the frozen-weight converter for a frozen Linear, None for a
+    trainable adapter of a PEFT tuner layer (it stays high precision), else a ConfigError."""
+    field = f"{FIELD}.store_frozen_weights"
+    if converter.name not in ("mx_linear", FROZEN):
+        raise ConfigError(field, True, f"add {name!r} to ignored_modules, or drop store_frozen_weights",
+                          reason=f"{converter.name} does not store frozen weights in MX (only Linears do)")
+    if not module.weight.requires_grad and module.weight.is_meta:
+        raise ConfigError(field, True, "build the model with its base weights loaded (not on the meta device), "
+                          "or drop store_frozen_weights",
+                          reason=f"{name}.weight is on the meta device: a frozen weight is quantized once, "
+                          "when it is converted, from its loaded values")
+    if not module.weight.requires_grad:
+        return get_converter(FROZEN)
+    if _in_tuner_layer(model, name) or name in excluded:
+        return None
+    raise ConfigError(field, True, f"freeze {name!r} (train adapters, e.g. PEFT LoRA, over it), add it to "
+                      "ignored_modules, or drop store_frozen_weights",
+                      reason=f"{name}.weight is trainable (full fine-tuning) and only frozen weights are stored MX")
 
 
 def apply_conversions(model: nn.Module, conversions: list[Conversion] | tuple[Conversion, ...],

@@ -1,0 +1,13 @@
+"""QLoRA-MX: frozen weights stored, and all-gathered by FSDP, in their MX format."""
+
+from fsdp_turbo.quantization.frozen.mx_frozen_linear import (
+    MXFrozenLinear,
+    frozen_weight_values,
+    pack_mx,
+    quantize_frozen_weight,
+    to_mx_frozen_linear,
+    unpack_mx,
+)
+
+__all__ = ["MXFrozenLinear", "frozen_weight_values", "pack_mx", "quantize_frozen_weight", "to_mx_frozen_linear",
+           "unpack_mx"]
