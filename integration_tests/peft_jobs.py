@@ -295,4 +295,17 @@ def qlora_facade_runs() -> dict[str, tuple]:
         dtypes = sorted({str(p.dtype) for n, p in model.named_parameters() if n.endswith("_proj.base_layer.weight")})
         record = train_steps(model, [shard_rows(b, state.dp_rank, state.dp_size) for b in BATCHES])
         runs[quant_format] = (record, dtypes, _frozen_mx_bytes(model))
+    runs["merged save"] = _merged_save_refusal(model)
     return runs
+
+
+def _merged_save_refusal(model) -> str:
+    """A merged save would write packed bytes as weights: refused on every rank, before any collective."""
+    from fsdp_turbo.checkpoint import save_pretrained
+    from fsdp_turbo.core.errors import CheckpointError
+
+    try:
+        save_pretrained(model, "never-written", merge_adapters=True)
+    except CheckpointError as error:
+        return str(error)
+    return "saved"
