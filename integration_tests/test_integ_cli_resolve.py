@@ -50,6 +50,7 @@ EVERY_SECTION = {
             "max_skipped": 3, "collective_timeout_s": 120.5},
     "checkpoint": {"save_every": 4, "keep": 1},
     "logging": {"tensorboard": True, "every": 5},
+    "peft": {"r": 4, "alpha": 8.0, "dropout": 0.1, "target_modules": ["*q_proj"], "export_merged": True},
     "turbo": {
         "data_parallel_size": 2, "fully_shard_parallel_size": 2, "tensor_parallel_size": 2,
         "fsdp_plan": {"apply_modules": ["model.layers.*"], "ignored_modules": ["model.rotary_emb"],
@@ -84,7 +85,9 @@ def _fields_set(section, path: str) -> list[str]:
                 left += _fields_set(item, f"{name}[].")
         elif field.default is not dataclasses.MISSING and value == field.default and name not in (
                 "data.files", "data.sources[].messages_field", "data.sources[].text_field", "run.grad_accum",
-                "model.model_name_or_path", "data.eval.sources[].messages_field"):  # exclusive with a set one
+                "model.model_name_or_path", "data.eval.sources[].messages_field",  # exclusive with a set one
+                "peft.method",  # one choice: "lora"
+                "peft.target_parameters"):  # LoRA experts are refused with this job's expert parallel
             left.append(name)
     return left
 

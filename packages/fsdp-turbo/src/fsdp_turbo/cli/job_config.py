@@ -531,6 +531,18 @@ class JobConfig(ConfigSection):
         _check_lora_experts_checkpointable(self)
         _check_merged_export(self)
 
+    def with_overrides(self, *, max_steps: int | None = None, output_dir: str | None = None,
+                       save_every: int | None = None) -> JobConfig:
+        """Command-line flags win over the file."""
+        job = self
+        if max_steps is not None:
+            job = dataclasses.replace(job, run=dataclasses.replace(job.run, steps=max_steps))
+        if save_every is not None:
+            job = dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, save_every=save_every))
+        if output_dir is not None:
+            job = dataclasses.replace(job, output_dir=output_dir)
+        return job
+
 
 def _check_merged_export(job: JobConfig) -> None:
     """A merged export writes the base's values; MX-stored frozen weights are packed bytes."""
@@ -552,15 +564,3 @@ def _check_lora_experts_checkpointable(job: JobConfig) -> None:
                           "or train the experts' LoRA with turbo.expert_parallel_size: 1",
                           reason="training checkpoints of LoRA experts under expert parallel are not supported "
                                  "yet (torch's DCP refuses their interleaved expert shards)")
-
-    def with_overrides(self, *, max_steps: int | None = None, output_dir: str | None = None,
-                       save_every: int | None = None) -> JobConfig:
-        """Command-line flags win over the file."""
-        job = self
-        if max_steps is not None:
-            job = dataclasses.replace(job, run=dataclasses.replace(job.run, steps=max_steps))
-        if save_every is not None:
-            job = dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, save_every=save_every))
-        if output_dir is not None:
-            job = dataclasses.replace(job, output_dir=output_dir)
-        return job
