@@ -33,7 +33,7 @@ import statistics
 import time
 
 import torch
-from report import result
+from report import paired_ratio, result
 
 WORLD = 4
 WARMUP = 2
@@ -190,8 +190,7 @@ def report_time(per_rank: list[dict]) -> None:
     if abs(losses["lora"] - losses["full"]) > 1e-5 * abs(losses["full"]):
         raise SystemExit(f"LoRA (lora_B zero) and the base model disagree before training: {losses}")
     lora, full = statistics.median(times["lora"]), statistics.median(times["full"])
-    # Steps run in adjacent pairs, so the per-pair ratio cancels slow drift of the machine.
-    paired = statistics.median(a / b for a, b in zip(times["lora"], times["full"], strict=True))
+    paired = paired_ratio(times["lora"], times["full"])
     print(f"median step LoRA {lora * 1e3:.1f} ms, full fine-tuning {full * 1e3:.1f} ms; ratio of medians "
           f"{lora / full:.3f}, median paired ratio {paired:.3f} ({len(times['lora'])} pairs)")
     result(f"step time (fwd + bwd + AdamW), LoRA r={RANK} vs full fine-tuning, FSDP={WORLD}", paired, "reported",

@@ -6,7 +6,16 @@ Each benchmark prints its own human-readable lines as well; these lines start wi
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
+
 PREFIX = "RESULT"
+
+
+def paired_ratio(ours: Sequence[float], baseline: Sequence[float]) -> float:
+    """The median of per-step ratios of steps run in adjacent pairs: pairing cancels the slow
+    drift of a shared machine, which a ratio of two medians would keep."""
+    return statistics.median(a / b for a, b in zip(ours, baseline, strict=True))
 
 
 def result(metric: str, ratio: float, goal: str, detail: str = "") -> None:

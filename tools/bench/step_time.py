@@ -22,7 +22,7 @@ import statistics
 import time
 
 import torch
-from report import result
+from report import paired_ratio, result
 
 WARMUP = 3
 MODEL = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
@@ -116,8 +116,7 @@ def main() -> None:
         if abs(losses["ours"] - losses["theirs"]) > 1e-4 * abs(losses["theirs"]):
             raise SystemExit(f"{layout}: the two models disagree before training: {losses}")
         ours, theirs = statistics.median(times["ours"]), statistics.median(times["theirs"])
-        # Steps run in adjacent pairs, so the per-pair ratio cancels slow drift of the machine.
-        paired = statistics.median(a / b for a, b in zip(times["ours"], times["theirs"], strict=True))
+        paired = paired_ratio(times["ours"], times["theirs"])
         print(f"{layout}: median step FSDPTurbo {ours * 1e3:.1f} ms, hand-written {theirs * 1e3:.1f} ms; "
               f"ratio of medians {ours / theirs:.3f}, median paired ratio {paired:.3f} (goal <= 1.02)")
         result(f"step time, {layout} ({args.world} ranks) vs hand-written torch", paired, "<= 1.02",
