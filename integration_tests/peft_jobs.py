@@ -285,7 +285,12 @@ def _frozen_mx_bytes(model) -> tuple[int, int, int]:
     return stored, gathered, bf16
 
 
-def qlora_facade_runs() -> dict[str, tuple]:
+def qlora_facade_runs(out: str, base: str) -> dict[str, object]:
+    """Each format trained at ``QLORA_LAYOUT``: the record, the frozen weights' dtypes and their bytes.
+    Then the last one saved merged (rank 0 returns its logits), and a meta-built QLoRA model loaded from
+    ``base`` (the base model's checkpoint): how many frozen shards differ from those quantized from
+    the loaded weights at build time."""
+    from fsdp_turbo.checkpoint import save_pretrained
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
     runs = {}
@@ -295,17 +300,23 @@ def qlora_facade_runs() -> dict[str, tuple]:
         dtypes = sorted({str(p.dtype) for n, p in model.named_parameters() if n.endswith("_proj.base_layer.weight")})
         record = train_steps(model, [shard_rows(b, state.dp_rank, state.dp_size) for b in BATCHES])
         runs[quant_format] = (record, dtypes, _frozen_mx_bytes(model))
-    runs["merged save"] = _merged_save_refusal(model)
+    save_pretrained(model, f"{out}/merged", merge_adapters=True)  # dequantized base + B @ A
+    runs["logits"] = _logits(model)
+    runs["meta-built shards that differ"] = _meta_built_difference(base)
     return runs
 
 
-def _merged_save_refusal(model) -> str:
-    """A merged save would write packed bytes as weights: refused on every rank, before any collective."""
-    from fsdp_turbo.checkpoint import save_pretrained
-    from fsdp_turbo.core.errors import CheckpointError
+def _meta_built_difference(base: str) -> list[str]:
+    """A meta-built QLoRA-MX model filled by ``load_pretrained``, against the same model built with its
+    weights: each rank's packed frozen bytes, by name, that are not identical."""
+    from fsdp_turbo.checkpoint import load_pretrained
+    from fsdp_turbo.core.model_inspect import local_tensor
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
-    try:
-        save_pretrained(model, "never-written", merge_adapters=True)
-    except CheckpointError as error:
-        return str(error)
-    return "saved"
+    config = {**QLORA_LAYOUT, "quantization_plan": qlora_plan("E4M3")}
+    meta = FSDPTurbo(config, meta_peft_model())
+    load_pretrained(meta, base)
+    built = dict(FSDPTurbo(config, peft_model()).named_parameters())
+    packed = {n: p for n, p in meta.named_parameters() if n.endswith("_proj.base_layer.weight")}
+    assert len(packed) == 2 * len(ATTENTION) and all(p.dtype == torch.uint8 for p in packed.values())
+    return [n for n, p in packed.items() if not torch.equal(local_tensor(p), local_tensor(built[n]))]

@@ -477,27 +477,32 @@ def test_a_lora_job_with_expert_adapters_under_ep_is_refused_before_it_trains():
 
 # ----- QLoRA-MX: frozen base weights stored and all-gathered in MX ---------------------------------------
 @pytest.mark.multirank
-def test_qlora_mx_at_fsdp4_matches_peft_over_the_same_quantized_base():
+def test_qlora_mx_at_fsdp4_matches_peft_over_the_same_quantized_base(tmp_path):
     """E4M3 and HIF8 frozen bases at FSDP=4 against one-process PEFT over the base the same function
-    quantized; each rank stores, and the all-gathers move, (1 + 1/32) bytes per frozen element."""
+    quantized; each rank stores, and the all-gathers move, (1 + 1/32) bytes per frozen element. A merged
+    save writes the dequantized base with the adapters merged; a meta-built model loads its base into
+    the same packed bytes."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+
+    tiny_hf_causal_lm("llama").save_pretrained(tmp_path / "base")
     reference = run_reference(qlora_reference_runs, timeout=300)
-    for runs in run_distributed(qlora_facade_runs, 4, timeout=600):
-        assert "cannot be saved in transformers' layout yet" in runs.pop("merged save")
+    for rank, runs in enumerate(run_distributed(qlora_facade_runs, 4, str(tmp_path), str(tmp_path / "base"),
+                                                timeout=600)):
+        assert runs.pop("meta-built shards that differ") == []
+        logits = runs.pop("logits")
         assert set(runs) == set(QLORA_FORMATS)
         for quant_format, (record, dtypes, (stored, gathered, bf16)) in runs.items():
             assert_parity(reference[quant_format], record, **TOL)
             assert len(record.grads) == 2 * 4 * 2  # adapters only
-            assert dtypes == ["torch.uint8"]  # codes and E8M0 scales, packed per row
+            assert dtypes == ["torch.uint8"]  # codes and E8M0 scales, interleaved per block
             assert stored * 4 == gathered  # the all-gather moves exactly the stored bytes, MX
             assert stored / bf16 == pytest.approx((1 + 1 / 32) / 2)  # 0.52x of bf16
+        if rank == 0:
+            merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+            assert merged.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
+            with torch.no_grad():
+                torch.testing.assert_close(merged(input_ids=EVAL_IDS).logits, logits, rtol=1e-5, atol=1e-5)
 
 
-def test_a_merged_export_of_mx_stored_frozen_weights_is_refused_when_the_job_is_read():
-    from fsdp_turbo.cli.job_config import JobConfig
-    from fsdp_turbo.core.errors import ConfigError
-
-    job = {"model": {"config": {"model_type": "llama"}},
-           "peft": {"target_modules": ["*.q_proj"], "export_merged": True},
-           "turbo": {"quantization_plan": {"apply_modules": ["*.q_proj"], "store_frozen_weights": True}}}
-    with pytest.raises(ConfigError, match=r"peft.export_merged=True is invalid: the frozen weights are stored in MX"):
-        JobConfig.from_dict(job)

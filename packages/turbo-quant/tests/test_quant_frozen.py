@@ -11,7 +11,7 @@ from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 from fsdp_turbo.fsdp_turbo_config import QuantizeConfig
 from fsdp_turbo.quantization.converter import convert_model
-from fsdp_turbo.quantization.frozen import MXFrozenLinear, frozen_weight_values, pack_mx, unpack_mx
+from fsdp_turbo.quantization.frozen import MXFrozenLinear, MXPackedRows, frozen_weight_values, pack_mx, unpack_mx
 from fsdp_turbo.quantization.mx_formats import quantize_mx
 from fsdp_turbo.quantization.training import MXLinear
 from fsdp_turbo.quantization.training.recipe import MXRecipe
@@ -42,9 +42,26 @@ def test_packed_weight_round_trips_to_the_same_codes_and_scales(quant_format):
     mx = quantize_mx(weight, quant_format, 32, axis=-1)
     packed = pack_mx(mx)
     assert packed.dtype == torch.uint8 and packed.shape == (48, 96 + 96 // 32)
-    back = unpack_mx(packed, 96, MXRecipe(quant_format), weight.dtype)
+    back = unpack_mx(packed, MXRecipe(quant_format), weight.dtype)
     assert torch.equal(back.codes, mx.codes) and torch.equal(back.scale, mx.scale)
     assert torch.equal(back.dequantize(), mx.dequantize())
+
+
+@pytest.mark.parametrize("quant_format", ["E4M3", "HIF8"])
+def test_a_shard_cut_on_block_edges_is_the_packing_of_the_same_shard_of_the_weight(quant_format):
+    """FSDP cuts rows and rowwise TP cuts columns at a multiple of the block: each rank's piece of the
+    packed bytes must be exactly the packing of its piece of the weight, so it encodes and decodes alone."""
+    recipe = MXRecipe(quant_format)
+    weight = torch.randn(8, 128) * 2
+    form = MXPackedRows(recipe, weight.dtype)
+    packed = form.encode(weight)
+    width = packed.shape[1] // 2  # the second rowwise half: columns 64:128 of the weight
+    assert form.values_box((4, width), (4, width)) == ((4, 64), (4, 64))
+    torch.testing.assert_close(packed[4:, width:], form.encode(weight[4:, 64:]), rtol=0, atol=0)
+    torch.testing.assert_close(form.decode(packed[4:, width:], torch.float32),
+                               form.decode(packed, torch.float32)[4:, 64:], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="whole blocks of 33 bytes"):
+        form.values_box((0, 5), (8, 33))
 
 
 @pytest.mark.parametrize("quant_format", ["E4M3", "HIF8"])
@@ -91,16 +108,23 @@ def test_a_trainable_picked_weight_is_a_config_error_naming_the_module():
         convert_model(model, QuantizeConfig(apply_modules=["*.q_proj"], store_frozen_weights=True))
 
 
+def test_a_meta_built_frozen_weight_becomes_a_meta_packed_parameter_with_its_stored_form():
+    """Quantized when a checkpoint is loaded (``load_pretrained`` encodes each rank's box through the form)."""
+    with torch.device("meta"):
+        meta = _adapted_model()
+    convert_model(meta, QuantizeConfig(store_frozen_weights=True))
+    weight = meta[0].base_layer.weight
+    assert weight.is_meta and weight.dtype == torch.uint8 and weight.shape == (96, 64 + 64 // 32)
+    form = meta[0].base_layer.stored_forms["weight"]
+    assert form.values_dtype == torch.float32 and form.values_box((0, 0), tuple(weight.shape)) == ((0, 0), (96, 64))
+
+
 def test_conflicting_options_are_config_errors():
     with pytest.raises(ConfigError, match="set store_frozen_weights"):
         convert_model(_adapted_model(), QuantizeConfig(converters=["mx_frozen_linear"]))
     with pytest.raises(ConfigError, match="in_features=96 not divisible by block_size=64"):
         convert_model(_adapted_model(), QuantizeConfig(apply_modules=["2"], block_size=64,
                                                        store_frozen_weights=True))
-    with torch.device("meta"):
-        meta = _adapted_model()
-    with pytest.raises(ConfigError, match="is on the meta device"):
-        convert_model(meta, QuantizeConfig(store_frozen_weights=True))
     with pytest.raises(ConfigError, match=r"quantization_plan\.store_frozen_weights"):
         QuantizeConfig(store_frozen_weights="yes")
 

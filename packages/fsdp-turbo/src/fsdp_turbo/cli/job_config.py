@@ -529,7 +529,6 @@ class JobConfig(ConfigSection):
         if not isinstance(self.output_dir, str) or not self.output_dir:
             raise ConfigError("output_dir", self.output_dir, "give a directory path")
         _check_lora_experts_checkpointable(self)
-        _check_merged_export(self)
 
     def with_overrides(self, *, max_steps: int | None = None, output_dir: str | None = None,
                        save_every: int | None = None) -> JobConfig:
@@ -542,16 +541,6 @@ class JobConfig(ConfigSection):
         if output_dir is not None:
             job = dataclasses.replace(job, output_dir=output_dir)
         return job
-
-
-def _check_merged_export(job: JobConfig) -> None:
-    """A merged export writes the base's values; MX-stored frozen weights are packed bytes."""
-    quantize = job.turbo.quantization_plan
-    if job.peft is not None and job.peft.export_merged and quantize is not None and quantize.store_frozen_weights:
-        raise ConfigError("peft.export_merged", True, "set peft.export_merged: false (final/ still holds the "
-                          "adapter), or drop quantization_plan.store_frozen_weights",
-                          reason="the frozen weights are stored in MX, and a merged export of them is not "
-                                 "supported yet")
 
 
 def _check_lora_experts_checkpointable(job: JobConfig) -> None:

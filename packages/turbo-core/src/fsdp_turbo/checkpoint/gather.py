@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fsdp_turbo.checkpoint.stored_forms import StoredForm
 from fsdp_turbo.core.model_inspect import is_dtensor
 
 
@@ -29,13 +30,18 @@ def holders(keys: list[str], local: dict[str, torch.Tensor]) -> dict[str, int]:
     return {k: min(r for r in range(size) if k not in everyone[r]) for k in keys if k in lacking}
 
 
-def whole(value: torch.Tensor | None, holder: int | None, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+def whole(value: torch.Tensor | None, holder: int | None, like: torch.Tensor, device: torch.device,
+          form: StoredForm | None = None) -> torch.Tensor:
     """The full tensor on the host of every rank (a collective when the model is sharded). A
-    tensor only some ranks hold is gathered among them first, then broadcast from the lowest."""
+    tensor only some ranks hold is gathered among them first, then broadcast from the lowest.
+    A stored-form parameter (``form``: QLoRA-MX bytes) is gathered as stored, then decoded to
+    the values ``like`` describes."""
     full = None
     if value is not None:
         full = value.full_tensor() if is_dtensor(value) else value
         full = full.detach()
+        if form is not None:
+            full = form.decode(full, like.dtype)
     if holder is not None:
         # Only the source's own tensor goes in: the others receive into new memory.
         sending = dist.get_rank() == holder

@@ -8,6 +8,7 @@ from torch import nn
 
 from fsdp_turbo.checkpoint.materialize import allocate, initialized_tensor, target_device
 from fsdp_turbo.checkpoint.shards import local_box, local_tensors
+from fsdp_turbo.checkpoint.stored_forms import ValuesBox, stored_forms
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.blueprint import blueprint as blueprint_of
 from fsdp_turbo.core.patterns import is_peft_model
@@ -18,8 +19,9 @@ def set_by_module(model: nn.Module, blueprint: nn.Module, local: dict[str, torch
     """Set each of ``names`` (None: every tensor) that this rank holds, as the model's own
     initialisation sets it: the tensor is made whole on the host under its own seed, and
     this rank's box of it is copied in. A tensor shared by several modules (tied) is set
-    once, by the first."""
+    once, by the first. A stored-form parameter (QLoRA-MX) gets its box of values encoded."""
     done: set[int] = set()
+    forms = stored_forms(model)
     for module_name, module in blueprint.named_modules():
         prefix = f"{module_name}." if module_name else ""
         for name, original in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)):
@@ -27,9 +29,11 @@ def set_by_module(model: nn.Module, blueprint: nn.Module, local: dict[str, torch
                 continue
             done.add(id(original))
             whole = _initialized(blueprint, module_name, module, name, seed)
-            box = local_box(local[prefix + name])
+            target = ValuesBox(local_box(local[prefix + name]), forms.get(prefix + name))
+            box = target.box
             with torch.no_grad():
                 box.tensor.copy_(whole[tuple(slice(s, s + n) for s, n in zip(box.start, box.size, strict=True))])
+            target.commit()
             del whole
 
 

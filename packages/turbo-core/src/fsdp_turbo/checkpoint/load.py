@@ -15,6 +15,7 @@ from fsdp_turbo.checkpoint.init import non_persistent_buffers, set_by_module
 from fsdp_turbo.checkpoint.layout import Layout, Piece, checkpoint_layout
 from fsdp_turbo.checkpoint.materialize import allocate, target_device
 from fsdp_turbo.checkpoint.shards import local_box, local_tensors, overlap
+from fsdp_turbo.checkpoint.stored_forms import StoredForm, ValuesBox, stored_forms
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.blueprint import blueprint as blueprint_of
 from fsdp_turbo.core.errors import CheckpointError, ConfigError
@@ -114,12 +115,12 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
         layout, adapter_part, initialised = _layouts(blueprint, files, adapter)
         missing, unexpected = _compare(layout, files, model, strict)
     allocate(model, blueprint)
-    local = local_tensors(model)
+    local, forms = local_tensors(model), stored_forms(model)
     read = 0
     with every_rank_or_none("load_pretrained", device):
-        read = _read_layout(layout, files, local, set(missing))
+        read = _read_layout(layout, files, local, forms, set(missing))
         if adapter_part is not None:
-            read += _read_layout(*adapter_part, local, set())
+            read += _read_layout(*adapter_part, local, forms, set())
         rebuild = non_persistent_buffers(blueprint) | initialised | {
             k for k, pieces in layout.pieces.items() if any(p.key in set(missing) for p in pieces)}
         set_by_module(model, blueprint, local, rebuild, seed=0)
@@ -150,21 +151,24 @@ def _layouts(blueprint: nn.Module, files: CheckpointFiles, adapter: str | os.Pat
     return layout, (adapter_layout, adapter_files), initialised - set(adapter_layout.pieces)
 
 
-def _read_layout(layout: Layout, files: CheckpointFiles, local: dict[str, torch.Tensor], absent: set[str]) -> int:
-    """Read this rank's boxes of every piece of ``layout`` (but the ``absent`` ones); returns bytes read."""
+def _read_layout(layout: Layout, files: CheckpointFiles, local: dict[str, torch.Tensor],
+                 forms: dict[str, StoredForm], absent: set[str]) -> int:
+    """Read this rank's boxes of every piece of ``layout`` (but the ``absent`` ones); returns bytes read.
+    A stored-form parameter (QLoRA-MX) is read as values, then encoded into its shard."""
     read = since_release = 0
     for model_key, pieces in layout.pieces.items():
         if model_key not in local:
             continue  # another rank's experts
-        box = local_box(local[model_key])
+        target = ValuesBox(local_box(local[model_key]), forms.get(model_key))
         for piece in pieces:
             if piece.key in absent:
                 continue
-            done = _read_piece(files, piece, box)
+            done = _read_piece(files, piece, target.box)
             read, since_release = read + done, since_release + done
             if since_release > RELEASE_EVERY:
                 files.release()
                 since_release = 0
+        target.commit()
     files.release()
     return read
 

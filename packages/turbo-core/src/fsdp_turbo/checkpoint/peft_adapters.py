@@ -33,6 +33,7 @@ from fsdp_turbo.checkpoint.gather import whole, world
 from fsdp_turbo.checkpoint.layout import Layout, Piece
 from fsdp_turbo.checkpoint.materialize import target_device, tensor_seed
 from fsdp_turbo.checkpoint.shards import local_tensors
+from fsdp_turbo.checkpoint.stored_forms import stored_forms
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.errors import CheckpointError
 from fsdp_turbo.core.model_inspect import is_tuner_layer
@@ -184,13 +185,14 @@ class MergedTensors:
     def __init__(self, model: nn.Module, blueprint: nn.Module, device: torch.device) -> None:
         self.view = peft_view(blueprint)
         self.peft, self.blueprint, self.device = blueprint, self.view.base, device
-        self.local = local_tensors(model)
+        self.local, self.forms = local_tensors(model), stored_forms(model)
         self.meta = blueprint.state_dict(keep_vars=True)
         self.holders = holders_of(list(self.meta), self.local)
         self._merged: tuple[tuple[str, int], dict[str, torch.Tensor]] | None = None
 
     def _gather(self, model_key: str, keep: bool) -> torch.Tensor | None:
-        full = whole(self.local.get(model_key), self.holders.get(model_key), self.meta[model_key], self.device)
+        full = whole(self.local.get(model_key), self.holders.get(model_key), self.meta[model_key], self.device,
+                     self.forms.get(model_key))
         return full if keep else None
 
     def whole(self, key: str, writer: int) -> torch.Tensor | None:

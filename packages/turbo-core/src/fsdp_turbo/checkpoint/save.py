@@ -18,6 +18,7 @@ from fsdp_turbo.checkpoint.gather import whole, world
 from fsdp_turbo.checkpoint.layout import checkpoint_layout
 from fsdp_turbo.checkpoint.materialize import target_device
 from fsdp_turbo.checkpoint.shards import local_tensors
+from fsdp_turbo.checkpoint.stored_forms import stored_forms
 from fsdp_turbo.core import hf
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.blueprint import blueprint as blueprint_of
@@ -42,13 +43,13 @@ class ShardedTensors:
 
     def __init__(self, model: nn.Module, blueprint: nn.Module, device: torch.device) -> None:
         self.blueprint, self.device = blueprint, device
-        self.local = local_tensors(model)
+        self.local, self.forms = local_tensors(model), stored_forms(model)
         self.meta = blueprint.state_dict(keep_vars=True)
         self.holders = holders_of(list(hf.saved_state(blueprint, self.meta)), self.local)
 
     def whole(self, key: str, writer: int) -> torch.Tensor | None:
         """Tensor ``key`` whole on the host of rank ``writer`` (None elsewhere); every rank calls it."""
-        full = whole(self.local.get(key), self.holders.get(key), self.meta[key], self.device)
+        full = whole(self.local.get(key), self.holders.get(key), self.meta[key], self.device, self.forms.get(key))
         return full if world()[1] == writer else None
 
 
@@ -82,27 +83,11 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, dtype: torch.d
 
         if not merge_adapters:
             return peft_adapters.save_adapters(model, blueprint, path, dtype=dtype)
-        _check_no_packed_weights(model)  # before the merge gathers anything
         return _save(peft_adapters.MergedTensors(model, blueprint, device), path, dtype, max_shard_size)
     if merge_adapters:
         raise ConfigError("merge_adapters", merge_adapters, "pass merge_adapters=True only for a PEFT model "
                           "(get_peft_model)", reason=f"{type(blueprint).__name__} has no adapters to merge")
-    _check_no_packed_weights(model)
     return _save(ShardedTensors(model, blueprint, device), path, dtype, max_shard_size)
-
-
-def _check_no_packed_weights(model: nn.Module) -> None:
-    """Frozen weights stored in MX (``quantization_plan.store_frozen_weights``) are packed bytes,
-    not the model's values: a model-layout save (or a merge into them) would write bytes, so it
-    is refused; an adapter-only save is unaffected."""
-    for name, module in model.named_modules():  # the live model: its blueprint predates the quantization
-        weight = getattr(module, "weight", None)
-        if getattr(module, "mx_recipe", None) is not None and isinstance(weight, torch.Tensor) \
-                and not weight.dtype.is_floating_point:
-            raise CheckpointError(f"{name}.weight", "MX-packed frozen weight", "save the adapter only "
-                                  "(save_pretrained without merge_adapters), or train without "
-                                  "quantization_plan.store_frozen_weights",
-                                  reason="frozen weights stored in MX cannot be saved in transformers' layout yet")
 
 
 def _save(source, path: str | os.PathLike, dtype: torch.dtype | None, max_shard_size: int | str) -> Path:

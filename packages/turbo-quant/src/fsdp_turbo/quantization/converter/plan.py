@@ -119,11 +119,6 @@ def _frozen_choice(model: nn.Module, name: str, module: nn.Module, converter: Co
     if converter.name not in ("mx_linear", FROZEN):
         raise ConfigError(field, True, f"add {name!r} to ignored_modules, or drop store_frozen_weights",
                           reason=f"{converter.name} does not store frozen weights in MX (only Linears do)")
-    if not module.weight.requires_grad and module.weight.is_meta:
-        raise ConfigError(field, True, "build the model with its base weights loaded (not on the meta device), "
-                          "or drop store_frozen_weights",
-                          reason=f"{name}.weight is on the meta device: a frozen weight is quantized once, "
-                          "when it is converted, from its loaded values")
     if not module.weight.requires_grad:
         return get_converter(FROZEN)
     if _in_tuner_layer(model, name) or name in excluded:

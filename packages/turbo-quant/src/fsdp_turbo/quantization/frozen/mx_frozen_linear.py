@@ -1,16 +1,21 @@
 """``MXFrozenLinear``: a Linear whose frozen weight is stored as MX bytes (QLoRA-MX).
 
 Storage: the weight is quantized once, blocks of ``block_size`` along ``in_features``, and kept
-as one uint8 parameter of shape ``(out_features, in_features + in_features // block_size)``: each
-row holds its element codes (E4M3 / E5M2 / HIF8, one byte each) followed by its blocks' E8M0
-scales (one byte each). That is ``1 + 1/block_size`` bytes per element, 0.52x of bf16 and 0.26x
-of fp32 at block 32.
+as one uint8 parameter of shape ``(out_features, in_features // block_size * (block_size + 1))``:
+each block's element codes (E4M3 / E5M2 / HIF8, one byte each) followed by its E8M0 scale (one
+byte). That is ``1 + 1/block_size`` bytes per element, 0.52x of bf16 and 0.26x of fp32 at block 32.
 
-FSDP2 shards the parameter along dim 0, so every shard holds whole rows and therefore whole
-blocks (uneven row counts are padded by FSDP as for any parameter). The all-gather moves the same
-bytes: FSDP2 leaves mixed precision off for a non-floating parameter
-(``FSDPParam.init_dtype_attrs``), so nothing casts the bytes to ``param_dtype`` before the
-collective, and no tensor subclass with ``fsdp_pre_all_gather`` is needed to keep them MX.
+Blocks are interleaved with their scales so that any cut on block edges, along either dim,
+leaves whole blocks with their own scales: FSDP2 shards dim 0 (whole rows), tensor parallel
+shards dim 0 (colwise) or dim 1 (rowwise, at a multiple of the block), and every shard is the
+packing of the same shard of the weight. Checkpoints see the values through ``stored_forms``
+(turbo-core's ``checkpoint.stored_forms``): a load quantizes each rank's own box, a save
+dequantizes what it gathers. A model built on the meta device gets a meta packed parameter.
+
+The all-gather moves the same bytes: FSDP2 leaves mixed precision off for a non-floating
+parameter (``FSDPParam.init_dtype_attrs``), so nothing casts the bytes to ``param_dtype``
+before the collective, and no tensor subclass with ``fsdp_pre_all_gather`` is needed to keep
+them MX.
 
 GEMMs: none reads MX. After the all-gather the weight is dequantized to the input's dtype for
 the forward GEMM, and dequantized again from the saved bytes for the input-gradient GEMM (so the
@@ -19,6 +24,8 @@ weight-gradient GEMM. A bias, if any, stays a high-precision parameter.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -42,30 +49,63 @@ def frozen_weight_values(weight: torch.Tensor, recipe: MXRecipe, dtype: torch.dt
     return dequantize_mx(quantize_frozen_weight(weight, recipe), dtype or weight.dtype)
 
 
+def packed_width(in_features: int, block_size: int) -> int:
+    """Bytes per packed row: each block's codes and its scale."""
+    return in_features // block_size * (block_size + 1)
+
+
 def pack_mx(mx: MXTensor) -> torch.Tensor:
-    """``(out, in + in // block)`` uint8: each row's element codes, then its block scales."""
-    return torch.cat([mx.codes, mx.scale], dim=1).contiguous()
+    """``(out, in // block * (block + 1))`` uint8: each block's element codes, then its scale."""
+    rows, blocks = mx.scale.shape
+    codes = mx.codes.reshape(rows, blocks, mx.block_size)
+    return torch.cat([codes, mx.scale.unsqueeze(-1)], dim=-1).reshape(rows, -1).contiguous()
 
 
-def unpack_mx(packed: torch.Tensor, in_features: int, recipe: MXRecipe, orig_dtype: torch.dtype) -> MXTensor:
-    """The ``MXTensor`` a packed weight holds (views, no copy of the codes)."""
-    codes, scale = packed.split([in_features, in_features // recipe.block_size], dim=1)
+def unpack_mx(packed: torch.Tensor, recipe: MXRecipe, orig_dtype: torch.dtype) -> MXTensor:
+    """The ``MXTensor`` a packed weight (or any block-aligned box of one) holds."""
+    block = recipe.block_size
+    rows = packed.shape[0]
+    blocked = packed.reshape(rows, -1, block + 1)
+    codes = blocked[..., :block].reshape(rows, -1)  # a copy: codes are contiguous per row for the kernels
+    scale = blocked[..., block].contiguous()
     fmt = get_format(recipe.quant_format)
     return MXTensor(data=codes.view(fmt.data_dtype), scale=scale, quant_format=fmt.name,
-                    block_size=recipe.block_size, axis=1, scale_mode=recipe.scale_mode,
+                    block_size=block, axis=1, scale_mode=recipe.scale_mode,
                     emax_elem=recipe.emax_elem if recipe.emax_elem is not None else fmt.emax_elem,
                     orig_dtype=orig_dtype, orig_shape=codes.shape)
+
+
+@dataclass(frozen=True)
+class MXPackedRows:
+    """The stored form (turbo-core's ``StoredForm``) of a packed frozen weight, for checkpoints."""
+
+    recipe: MXRecipe
+    values_dtype: torch.dtype
+
+    def values_box(self, start: tuple[int, ...], size: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        per = self.recipe.block_size + 1
+        if start[1] % per or size[1] % per:
+            raise ValueError(f"a box of packed MX rows must hold whole blocks of {per} bytes, not columns "
+                             f"{start[1]}:{start[1] + size[1]}")
+        block = self.recipe.block_size
+        return (start[0], start[1] // per * block), (size[0], size[1] // per * block)
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        return pack_mx(quantize_frozen_weight(values, self.recipe))
+
+    def decode(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_mx(unpack_mx(stored, self.recipe, dtype), dtype)
 
 
 class _FrozenMXLinearFunction(torch.autograd.Function):
     """``functional.linear`` over the dequantized packed weight; saves the packed bytes, not the values."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, in_features: int,
-                recipe: MXRecipe) -> torch.Tensor:
-        weight = dequantize_mx(unpack_mx(packed, in_features, recipe, x.dtype), x.dtype)
+    def forward(ctx, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, recipe: MXRecipe
+                ) -> torch.Tensor:
+        weight = dequantize_mx(unpack_mx(packed, recipe, x.dtype), x.dtype)
         ctx.save_for_backward(packed)
-        ctx.in_features, ctx.recipe, ctx.has_bias = in_features, recipe, bias is not None
+        ctx.recipe, ctx.has_bias = recipe, bias is not None
         return functional.linear(x, weight, bias)
 
     @staticmethod
@@ -73,11 +113,11 @@ class _FrozenMXLinearFunction(torch.autograd.Function):
         (packed,) = ctx.saved_tensors
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            weight = dequantize_mx(unpack_mx(packed, ctx.in_features, ctx.recipe, grad_out.dtype), grad_out.dtype)
+            weight = dequantize_mx(unpack_mx(packed, ctx.recipe, grad_out.dtype), grad_out.dtype)
             grad_x = grad_out.matmul(weight)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
-        return grad_x, None, grad_bias, None, None
+        return grad_x, None, grad_bias, None
 
 
 class MXFrozenLinear(nn.Linear):
@@ -89,7 +129,7 @@ class MXFrozenLinear(nn.Linear):
     mx_recipe: MXRecipe
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _FrozenMXLinearFunction.apply(x, self.weight, self.bias, self.in_features, self.mx_recipe)
+        return _FrozenMXLinearFunction.apply(x, self.weight, self.bias, self.mx_recipe)
 
     def extra_repr(self) -> str:
         r = self.mx_recipe
@@ -97,7 +137,14 @@ class MXFrozenLinear(nn.Linear):
 
 
 def to_mx_frozen_linear(module: nn.Linear, recipe: MXRecipe) -> MXFrozenLinear:
-    """Quantize ``module``'s frozen weight into its packed MX parameter, in place."""
-    packed = pack_mx(quantize_frozen_weight(module.weight, recipe))
+    """Quantize ``module``'s frozen weight into its packed MX parameter, in place. A meta weight
+    (a model built on the meta device) becomes a meta packed parameter, quantized when loaded."""
+    weight = module.weight
+    form = MXPackedRows(recipe, weight.dtype)
+    if weight.is_meta:
+        packed = torch.empty(weight.shape[0], packed_width(weight.shape[1], recipe.block_size), dtype=torch.uint8,
+                             device="meta")
+    else:
+        packed = form.encode(weight.detach())
     module.weight = nn.Parameter(packed, requires_grad=False)
-    return mix_in(module, MXFrozenLinear, "MXFrozen", mx_recipe=recipe)
+    return mix_in(module, MXFrozenLinear, "MXFrozen", mx_recipe=recipe, stored_forms={"weight": form})
