@@ -1,11 +1,13 @@
 """``fsdp-turbo train`` with a ``peft`` section (LoRA), end to end: real torchrun, 2 CPU ranks.
 
 A tiny Qwen3 job (LoRA r=4 on the attention and MLP projections, FSDP with recompute) trains 6
-steps with a checkpoint every 2. An uninterrupted run is the reference; a run whose worker is
-killed (SIGKILL) at step 5 restarts from the step-4 checkpoint and must end with a bit-identical
-adapter. Checkpoints hold the adapters and their optimizer state only; ``final/`` is the adapter in
-PEFT's format, ``final_merged/`` the merged model in transformers' layout, and the two give the
-same logits.
+steps with a checkpoint every 2, as plain LoRA and as QLoRA-MX (the frozen projections stored in
+E4M3, ``quantization_plan.store_frozen_weights``, on a model built on the meta device). An
+uninterrupted run is the reference; a run whose worker is killed (SIGKILL) at step 5 restarts
+from the step-4 checkpoint and must end with a bit-identical adapter. Checkpoints hold the
+adapters and their optimizer state only; ``final/`` is the adapter in PEFT's format,
+``final_merged/`` the merged model in transformers' layout, and the two give the same logits
+(over the same quantized base, for QLoRA-MX).
 """
 
 from pathlib import Path
@@ -32,16 +34,18 @@ JOB = {
     "checkpoint": {"save_every": 2, "keep": 3},
     "turbo": {"recompute": True},
 }
+QLORA_PLAN = {"quant_format": "E4M3", "apply_modules": ["*_proj"], "store_frozen_weights": True}
+JOBS = {"lora": JOB, "qlora-mx": {**JOB, "turbo": {**JOB["turbo"], "quantization_plan": QLORA_PLAN}}}
 
 
 def adapter(output) -> dict[str, torch.Tensor]:
     return safetensors.load_file(str(Path(output) / "final" / "adapter_model.safetensors"))
 
 
-@pytest.fixture(scope="module")
-def job_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("lora_job") / "job.yaml"
-    path.write_text(yaml.safe_dump(JOB))
+@pytest.fixture(scope="module", params=list(JOBS))
+def job_file(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"{request.param}_job") / "job.yaml"
+    path.write_text(yaml.safe_dump(JOBS[request.param]))
     return path
 
 
@@ -52,7 +56,29 @@ def reference(job_file, tmp_path_factory):
     return output
 
 
-def test_lora_job_writes_an_adapter_a_merged_model_and_adapter_only_checkpoints(reference):
+def _job_base(job: dict) -> torch.nn.Module:
+    """The job's base model (init_weights(seed)) in one process; for QLoRA-MX each frozen projection
+    holds the values its MX bytes stand for (quantized, then dequantized, by the same function)."""
+    from fsdp_turbo.checkpoint import init_weights
+    from fsdp_turbo.cli.job_config import JobConfig
+    from fsdp_turbo.cli.model import build_model
+
+    base = init_weights(build_model(JobConfig.from_dict(job).model), seed=job["run"]["seed"])
+    plan = job["turbo"].get("quantization_plan")
+    if plan is not None:
+        from fsdp_turbo.fsdp_turbo_config import QuantizeConfig
+        from fsdp_turbo.quantization.frozen import frozen_weight_values
+        from fsdp_turbo.quantization.training.recipe import MXRecipe
+
+        recipe = MXRecipe.from_config(QuantizeConfig(**plan))
+        with torch.no_grad():
+            for name, module in base.named_modules():
+                if name.endswith("_proj"):
+                    module.weight.copy_(frozen_weight_values(module.weight, recipe))
+    return base
+
+
+def test_lora_job_writes_an_adapter_a_merged_model_and_adapter_only_checkpoints(reference, job_file):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -67,14 +93,8 @@ def test_lora_job_writes_an_adapter_a_merged_model_and_adapter_only_checkpoints(
     keys = read_metadata(checkpoint(reference, 4)).state_dict_metadata
     model_keys = [key for key in keys if key.startswith("model.")]
     assert model_keys and all("lora_" in key for key in model_keys)
-    # the adapter over the job's base (init_weights(seed), rebuilt here in one process) and the
-    # merged export are the same model
-    from fsdp_turbo.checkpoint import init_weights
-    from fsdp_turbo.cli.job_config import JobConfig
-    from fsdp_turbo.cli.model import build_model
-
-    base = init_weights(build_model(JobConfig.from_dict(JOB).model), seed=JOB["run"]["seed"])
-    tuned = PeftModel.from_pretrained(base, final)
+    # the adapter over the job's base (rebuilt here in one process) and the merged export are the same model
+    tuned = PeftModel.from_pretrained(_job_base(yaml.safe_load(job_file.read_text())), final)
     merged = AutoModelForCausalLM.from_pretrained(Path(reference) / "final_merged")
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
