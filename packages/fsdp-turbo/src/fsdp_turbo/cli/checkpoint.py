@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from fsdp_turbo.checkpoint import safe_dcp
 from fsdp_turbo.checkpoint.atomic import fsync_tree, move_into_place
+from fsdp_turbo.checkpoint.strided import for_dcp, from_dcp
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.device import get_rng_state, set_rng_state
 from fsdp_turbo.core.errors import CheckpointError
@@ -158,7 +159,7 @@ def save_checkpoint(output_dir: str | Path, run: str, step: int, model: torch.nn
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash
             partial.mkdir(parents=True)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(partial))
+    dcp.save(for_dcp({"model": model_state, "optimizer": optimizer_state}), checkpoint_id=str(partial))
     with every_rank_or_none("save_checkpoint", device):
         torch.save(get_rng_state(device.type), partial / f"rng-rank{rank}.pt")
     if crash_after_shards:
@@ -180,8 +181,10 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     with every_rank_or_none("load_checkpoint", device):
         meta = read_meta(path)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
-    state = {"model": model_state, "optimizer": optimizer_state}
+    original = {"model": model_state, "optimizer": optimizer_state}
+    state = for_dcp(original)  # LoRA experts' strided shards as plain-sharded views (checkpoint.strided)
     safe_dcp.load(state, path)
+    state = from_dcp(state, original)
     # not strict: the frozen parameters are absent by design (safe_dcp.load has already
     # refused a checkpoint lacking any trainable one)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],

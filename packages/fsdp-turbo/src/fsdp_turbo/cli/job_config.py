@@ -528,7 +528,6 @@ class JobConfig(ConfigSection):
                 raise ConfigError(name, value, f"use a mapping of {kind.__name__} fields")
         if not isinstance(self.output_dir, str) or not self.output_dir:
             raise ConfigError("output_dir", self.output_dir, "give a directory path")
-        _check_lora_experts_checkpointable(self)
 
     def with_overrides(self, *, max_steps: int | None = None, output_dir: str | None = None,
                        save_every: int | None = None) -> JobConfig:
@@ -543,13 +542,3 @@ class JobConfig(ConfigSection):
         return job
 
 
-def _check_lora_experts_checkpointable(job: JobConfig) -> None:
-    """LoRA on experts under expert parallel trains, but torch's DCP refuses to save its
-    ``lora_B`` (interleaved expert columns, a 1-D ``_StridedShard``: "overlapping chunks"). A
-    run must not train and then lose its work at the first checkpoint, so it is refused here."""
-    if job.peft is not None and job.peft.target_parameters and job.turbo.expert_parallel_size != 1:
-        raise ConfigError("peft.target_parameters", list(job.peft.target_parameters),
-                          "drop target_parameters (LoRA on attention/MLP modules works under expert parallel), "
-                          "or train the experts' LoRA with turbo.expert_parallel_size: 1",
-                          reason="training checkpoints of LoRA experts under expert parallel are not supported "
-                                 "yet (torch's DCP refuses their interleaved expert shards)")
