@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.parallel_state import ParallelState
@@ -33,16 +32,23 @@ class QuantizePlan(FeaturePlan):
         return tuple(rows)
 
 
-def tensor_parallel_unsuitable(model: nn.Module, tp: SplitsParameters, block: int) -> dict[str, str]:
-    """Linears whose tensor-parallel shard does not hold whole blocks (each rank quantizes its shard)."""
+def tensor_parallel_unsuitable(model: nn.Module, tp: SplitsParameters, block: int, *,
+                               frozen_weights: bool = False) -> dict[str, str]:
+    """Linears whose tensor-parallel shard does not hold whole blocks (each rank quantizes its shard).
+
+    With ``frozen_weights`` (``store_frozen_weights``: only frozen Linears convert, to
+    ``MXFrozenLinear``) only those are checked, and only ``in_features``: a frozen weight has
+    blocks along ``in_features`` alone (no weight-gradient GEMM), so a colwise split of
+    ``out_features`` cuts whole rows whatever their number."""
+    dims = ("in_features",) if frozen_weights else ("out_features", "in_features")
     unsuitable = {}
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear) or (frozen_weights and module.weight.requires_grad):
             continue
         whole = (module.out_features, module.in_features)
         local = tp.local_shape(f"{name}.weight", whole)
         split = [f"{dim}={size}" for dim, size, full in zip(("out_features", "in_features"), local, whole, strict=True)
-                 if size != full and size % block]
+                 if dim in dims and size != full and size % block]
         if split:
             unsuitable[name] = (f"tensor parallel leaves each rank {', '.join(split)}, "
                                 f"not a multiple of block_size={block}")
@@ -53,7 +59,10 @@ class QuantizeTransform(Transform):
     """MX training on the modules the plan's converters pick.
 
     Receives the tensor-parallel plan: each TP rank quantizes its own shard, so a Linear
-    whose shard holds no whole block is left in high precision."""
+    whose shard holds no whole block is left in high precision (named in a rank-0 warning;
+    a ConfigError when ``apply_modules`` picks it). Applied before tensor parallel: TP's
+    styles then shard the converted modules, ``store_frozen_weights``' packed bytes included
+    (whole blocks per rank, so each rank's bytes are the packing of its shard)."""
 
     name = "quantize"
     stage = Stage.QUANTIZE
@@ -62,12 +71,9 @@ class QuantizeTransform(Transform):
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
              upstream: Plans, facts: ModelFacts) -> QuantizePlan:
         settings, tp = config.quantization_plan, upstream["tensor_parallel"]
-        if settings.store_frozen_weights and tp is not None:
-            raise ConfigError("quantization_plan.store_frozen_weights", True,
-                              "drop tensor parallel (tensor_parallel_size: 1) or store_frozen_weights",
-                              reason="a frozen MX weight is packed in whole rows for FSDP; tensor parallel "
-                              "would split it after packing")
-        unsuitable = tensor_parallel_unsuitable(model, tp, settings.block_size) if tp is not None else {}
+        unsuitable = (tensor_parallel_unsuitable(model, tp, settings.block_size,
+                                                 frozen_weights=settings.store_frozen_weights)
+                      if tp is not None else {})
         conversions, skipped = plan_conversion(model, settings, facts, unsuitable=unsuitable)
         return QuantizePlan(tuple(conversions), MXRecipe.from_config(settings), tuple(skipped))
 

@@ -21,6 +21,14 @@ GEMMs: none reads MX. After the all-gather the weight is dequantized to the inpu
 the forward GEMM, and dequantized again from the saved bytes for the input-gradient GEMM (so the
 dequantized weight is not kept between forward and backward). The weight is frozen: there is no
 weight-gradient GEMM. A bias, if any, stays a high-precision parameter.
+
+Tensor parallel: the facade quantizes first (``Stage.QUANTIZE`` comes before
+``Stage.TENSOR_PARALLEL``), so TP's styles distribute the packed bytes: colwise cuts rows,
+rowwise cuts packed columns, which lands on block edges when each rank's ``in_features`` is a
+multiple of the block (the quantize transform leaves other Linears high precision). A weight
+that is already a TP DTensor when converted is packed shard by shard into a DTensor of the same
+placements. Either way each rank holds the packing of its shard of the weight, and the forward
+runs the GEMMs on that shard, returning the DTensor ``F.linear`` would (see ``_tp_frozen_linear``).
 """
 
 from __future__ import annotations
@@ -29,9 +37,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.nn import functional
 
+from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.mixin import mix_in
+from fsdp_turbo.core.model_inspect import local_tensor
 from fsdp_turbo.quantization.mx_formats.formats import get_format
 from fsdp_turbo.quantization.mx_formats.mx_tensor import MXTensor, dequantize_mx, quantize_mx
 from fsdp_turbo.quantization.training.recipe import MXRecipe
@@ -120,6 +131,33 @@ class _FrozenMXLinearFunction(torch.autograd.Function):
         return grad_x, None, grad_bias, None
 
 
+def _tp_frozen_linear(x: torch.Tensor, packed: DTensor, bias: torch.Tensor | None, recipe: MXRecipe) -> DTensor:
+    """Each rank runs the GEMMs on its packed shard; the result carries the placement ``F.linear``
+    would give (colwise: Shard(-1); rowwise: Partial, then the bias; replicated: Replicate), so
+    TP's styles redistribute it as they would a plain Linear's (sequence parallel included)."""
+    mesh = packed.device_mesh
+    if mesh.ndim != 1:  # FSDP2 hands the forward the TP shard alone, on the TP mesh
+        raise ConfigError("tensor_parallel", str(mesh), "shard a frozen MX weight on a 1-D tensor-parallel mesh "
+                          "(with FSDP2 on top, as the facade does)",
+                          reason="the packed weight's forward runs on one mesh dimension of shards")
+    placement = packed.placements[0]
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    out_dim = x.dim() - 1
+    if isinstance(placement, Shard) and placement.dim == 0:  # colwise: out features sharded
+        x_local = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        out = _FrozenMXLinearFunction.apply(x_local, packed.to_local(), local_tensor(bias), recipe)
+        return DTensor.from_local(out, mesh, [Shard(out_dim)], run_check=False)
+    if isinstance(placement, Shard) and placement.dim == 1:  # rowwise: in features (whole blocks) sharded
+        x_local = x.redistribute(mesh, [Shard(out_dim)]).to_local()
+        out = DTensor.from_local(_FrozenMXLinearFunction.apply(x_local, packed.to_local(), None, recipe), mesh,
+                                 [Partial()], run_check=False)
+        return out if bias is None else out + bias
+    x_local = x.redistribute(mesh, [Replicate()]).to_local()
+    out = _FrozenMXLinearFunction.apply(x_local, packed.to_local(), local_tensor(bias), recipe)
+    return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+
+
 class MXFrozenLinear(nn.Linear):
     """A Linear whose frozen weight is a packed MX uint8 parameter (see the module docstring).
 
@@ -129,6 +167,8 @@ class MXFrozenLinear(nn.Linear):
     mx_recipe: MXRecipe
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, DTensor):
+            return _tp_frozen_linear(x, self.weight, self.bias, self.mx_recipe)
         return _FrozenMXLinearFunction.apply(x, self.weight, self.bias, self.mx_recipe)
 
     def extra_repr(self) -> str:
@@ -136,15 +176,47 @@ class MXFrozenLinear(nn.Linear):
         return f"{super().extra_repr()}, frozen weight stored {r.quant_format}/{r.block_size}/{r.scale_mode}"
 
 
+def _pack(weight: torch.Tensor, form: MXPackedRows) -> torch.Tensor:
+    if weight.is_meta:  # quantized when a checkpoint is loaded into it
+        return torch.empty(weight.shape[0], packed_width(weight.shape[1], form.recipe.block_size),
+                           dtype=torch.uint8, device="meta")
+    return form.encode(weight.detach())
+
+
+def _check_block_edges(weight: DTensor, block: int) -> None:
+    """A DTensor weight's shards must cut ``in_features`` on block edges: then the packed bytes,
+    split the same way, are each shard's own packing."""
+    ways = 1
+    for mesh_dim, placement in enumerate(weight.placements):
+        if not isinstance(placement, (Shard, Replicate)):
+            raise ConfigError("quantization_plan.store_frozen_weights", True, "convert the frozen weight before "
+                              "sharding it otherwise than by rows, columns or replication",
+                              reason=f"its placement {placement} on {weight.device_mesh} cannot be packed per shard")
+        if isinstance(placement, Shard) and placement.dim % weight.dim() == 1:
+            ways *= weight.device_mesh.size(mesh_dim)
+    in_features = weight.shape[1]
+    if in_features % (block * ways):
+        raise ConfigError("quantization_plan.block_size", block, "leave this Linear out of quantization_plan "
+                          "(ignored_modules), or use a tensor_parallel_size that gives each rank whole blocks",
+                          reason=f"in_features={in_features} is split {ways} ways ({weight.placements}), "
+                                 f"not into whole blocks of {block}")
+
+
+def _pack_dtensor(weight: DTensor, form: MXPackedRows) -> DTensor:
+    """Each rank packs its own shard; the DTensor keeps the placements, with the packed global shape."""
+    _check_block_edges(weight, form.recipe.block_size)
+    local = _pack(weight.to_local(), form)
+    shape = (weight.shape[0], packed_width(weight.shape[1], form.recipe.block_size))
+    return DTensor.from_local(local, weight.device_mesh, weight.placements, run_check=False, shape=shape,
+                              stride=(shape[1], 1))
+
+
 def to_mx_frozen_linear(module: nn.Linear, recipe: MXRecipe) -> MXFrozenLinear:
     """Quantize ``module``'s frozen weight into its packed MX parameter, in place. A meta weight
-    (a model built on the meta device) becomes a meta packed parameter, quantized when loaded."""
+    (a model built on the meta device) becomes a meta packed parameter, quantized when loaded.
+    A DTensor weight (tensor parallel applied first) is packed on each rank from its own shard."""
     weight = module.weight
     form = MXPackedRows(recipe, weight.dtype)
-    if weight.is_meta:
-        packed = torch.empty(weight.shape[0], packed_width(weight.shape[1], recipe.block_size), dtype=torch.uint8,
-                             device="meta")
-    else:
-        packed = form.encode(weight.detach())
+    packed = _pack_dtensor(weight, form) if isinstance(weight, DTensor) else _pack(weight, form)
     module.weight = nn.Parameter(packed, requires_grad=False)
     return mix_in(module, MXFrozenLinear, "MXFrozen", mx_recipe=recipe, stored_forms={"weight": form})
