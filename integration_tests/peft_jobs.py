@@ -57,6 +57,14 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 PROJECTIONS = [*ATTENTION, *MLP]
 
 
+QLORA_TP = "qlora-mx e4m3, sp + loss parallel"
+
+
+def tp_qlora_plan() -> dict:
+    """QLoRA-MX on every projection: each LoRA layer's frozen base stored as packed E4M3 bytes."""
+    return {"quant_format": "E4M3", "apply_modules": [f"*.{m}" for m in PROJECTIONS], "store_frozen_weights": True}
+
+
 def _tp_layouts() -> dict[str, tuple[list[str], dict]]:
     from composed_jobs import FSDP_TP
 
@@ -67,28 +75,114 @@ def _tp_layouts() -> dict[str, tuple[list[str], dict]]:
         "no sp": (PROJECTIONS, {**FSDP_TP, "tp_plan": no_sp}),
         # the output head a LoRA layer too: its adapter ends vocab-sharded, as the head's logits do
         "lora head, sp + loss parallel": ([*PROJECTIONS, "lm_head"], FSDP_TP),
+        # the frozen bases packed MX before TP shards them (colwise: rows; rowwise: whole blocks of columns)
+        QLORA_TP: (PROJECTIONS, {**FSDP_TP, "quantization_plan": tp_qlora_plan()}),
     }
 
 
 TP_LAYOUTS = _tp_layouts()
 
 
+def over_quantized_bases(model, plan: dict):
+    """``model`` (PEFT) with each LoRA layer's frozen base weight replaced by the values QLoRA-MX
+    computes with: the whole weight quantized by ``frozen_weight_values``, then dequantized."""
+    from fsdp_turbo.fsdp_turbo_config import QuantizeConfig
+    from fsdp_turbo.quantization.frozen import frozen_weight_values
+    from fsdp_turbo.quantization.training.recipe import MXRecipe
+
+    recipe = MXRecipe.from_config(QuantizeConfig(**plan))
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("_proj.base_layer"):
+                module.weight.copy_(frozen_weight_values(module.weight, recipe))
+    return model
+
+
 def tp_reference_runs() -> dict[str, object]:
-    """Single-process PEFT for each layout of ``TP_LAYOUTS`` (one run per list of targets)."""
-    by_targets = {}
-    for targets, _ in TP_LAYOUTS.values():
-        if tuple(targets) not in by_targets:
-            by_targets[tuple(targets)] = train_steps(peft_model("llama", targets), BATCHES)
-    return {name: by_targets[tuple(targets)] for name, (targets, _) in TP_LAYOUTS.items()}
+    """Single-process PEFT for each layout of ``TP_LAYOUTS`` (one run per list of targets and base)."""
+    by_run = {}
+    for targets, config in TP_LAYOUTS.values():
+        key = (tuple(targets), "quantization_plan" in config)
+        if key not in by_run:
+            model = peft_model("llama", targets)
+            if "quantization_plan" in config:
+                model = over_quantized_bases(model, config["quantization_plan"])
+            by_run[key] = train_steps(model, BATCHES)
+    return {name: by_run[(tuple(targets), "quantization_plan" in config)]
+            for name, (targets, config) in TP_LAYOUTS.items()}
 
 
 def _tp_placement(param) -> str:
     return str(dict(zip(param.device_mesh.mesh_dim_names, param.placements, strict=True))["tp"])
 
 
-def tp_facade_runs() -> dict[str, tuple]:
+def _packed_when_tp_comes_first(tp_mesh) -> dict[str, tuple]:
+    """Layer 0's q_proj (colwise) and o_proj (rowwise) base weights sharded by TP first, then converted
+    (each rank packs its own shard): per weight, whether this rank's packed bytes are its piece of the
+    whole weight's packing, the packed placements and global shape, and the forward's greatest
+    difference from ``F.linear`` over the whole weight's quantized values; and the error for a
+    rowwise shard that holds no whole block."""
+    from torch import nn
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.nn import functional
+
+    from fsdp_turbo.core.errors import ConfigError
+    from fsdp_turbo.fsdp_turbo_config import QuantizeConfig
+    from fsdp_turbo.quantization.frozen import (
+        frozen_weight_values,
+        pack_mx,
+        quantize_frozen_weight,
+        to_mx_frozen_linear,
+    )
+    from fsdp_turbo.quantization.training.recipe import MXRecipe
+
+    recipe, layer = MXRecipe.from_config(QuantizeConfig(**tp_qlora_plan())), peft_model("llama", PROJECTIONS)
+    generator = torch.Generator().manual_seed(5)  # the same input on every rank
+    results = {}
+    for name, dim in (("q_proj", 0), ("o_proj", 1)):
+        weight = layer.get_submodule(f"base_model.model.model.layers.0.self_attn.{name}.base_layer").weight.detach()
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        linear.weight = nn.Parameter(distribute_tensor(weight, tp_mesh, [Shard(dim)]), requires_grad=False)
+        packed = to_mx_frozen_linear(linear, recipe).weight
+        piece = pack_mx(quantize_frozen_weight(weight, recipe)).chunk(tp_mesh.size(), dim)[tp_mesh.get_local_rank()]
+        inputs = torch.randn(2, 16, weight.shape[1], generator=generator)
+        error = (linear(inputs).full_tensor() - functional.linear(inputs, frozen_weight_values(weight, recipe)))
+        results[name] = (torch.equal(packed.to_local(), piece), str(packed.placements), tuple(packed.shape),
+                         error.abs().max().item())
+    # blocks of 64 leave each rank 32 of o_proj's in_features: refused before anything is packed
+    linear = nn.Linear(64, 64, bias=False).requires_grad_(False)
+    linear.weight = nn.Parameter(distribute_tensor(linear.weight, tp_mesh, [Shard(1)]), requires_grad=False)
+    try:
+        to_mx_frozen_linear(linear, MXRecipe.from_config(QuantizeConfig(**tp_qlora_plan(), block_size=64)))
+    except ConfigError as refused:
+        results["o_proj, block 64"] = str(refused)
+    return results
+
+
+def _qlora_tp_checks(model, out: str, base: str) -> dict:
+    """The frozen MX weights of a QLoRA-MX model under FSDP x TP: layer 0's q_proj and o_proj base weight
+    (dtype, global and local shape), the stored and all-gathered bytes, the same packing when TP comes
+    first, the packed shards of a meta-built model loaded from ``base`` that differ from the built
+    model's; then a merged save and the logits it should give."""
+    from fsdp_turbo.checkpoint import save_pretrained
+    from fsdp_turbo.core.model_inspect import local_tensor
+
+    weights = {n.split("layers.0.")[-1]: (str(p.dtype), tuple(p.shape), tuple(local_tensor(p).shape))
+               for n, p in model.named_parameters()
+               if "layers.0." in n and n.endswith("base_layer.weight") and ("q_proj" in n or "o_proj" in n)}
+    checks = {"weights": weights, "bytes": _frozen_mx_bytes(model),
+              "tp first": _packed_when_tp_comes_first(model.parallel_state.mesh("tp")),
+              "meta-built shards that differ": _meta_built_difference(base, TP_LAYOUTS[QLORA_TP][1])}
+    save_pretrained(model, f"{out}/merged", merge_adapters=True)  # the dequantized base + B @ A
+    checks["logits"] = _logits(model)
+    return checks
+
+
+def tp_facade_runs(out: str, base: str) -> dict[str, tuple]:
     """Every layout of ``TP_LAYOUTS`` in the same ranks: the record, the parameters with a gradient
-    that should have none, and the TP placement of each adapter of layer 0's q_proj and o_proj."""
+    that should have none, the TP placement of each adapter of layer 0's q_proj and o_proj, and for
+    QLoRA-MX the checks of ``_qlora_tp_checks`` (its merged save under ``out``; ``base`` the base
+    model's checkpoint)."""
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
     results = {}
@@ -99,7 +193,8 @@ def tp_facade_runs() -> dict[str, tuple]:
         frozen_grads = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
         placements = {n.split("layers.0.")[-1]: _tp_placement(p) for n, p in model.named_parameters()
                       if "layers.0." in n and ("q_proj" in n or "o_proj" in n)}
-        results[name] = (record, frozen_grads, placements)
+        qlora = _qlora_tp_checks(model, out, base) if "quantization_plan" in config else {}
+        results[name] = (record, frozen_grads, placements, qlora)
     return results
 
 
@@ -306,14 +401,15 @@ def qlora_facade_runs(out: str, base: str) -> dict[str, object]:
     return runs
 
 
-def _meta_built_difference(base: str) -> list[str]:
+def _meta_built_difference(base: str, config: dict | None = None) -> list[str]:
     """A meta-built QLoRA-MX model filled by ``load_pretrained``, against the same model built with its
-    weights: each rank's packed frozen bytes, by name, that are not identical."""
+    weights: each rank's packed frozen bytes, by name, that are not identical. ``config`` defaults to
+    ``QLORA_LAYOUT`` with E4M3."""
     from fsdp_turbo.checkpoint import load_pretrained
     from fsdp_turbo.core.model_inspect import local_tensor
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
-    config = {**QLORA_LAYOUT, "quantization_plan": qlora_plan("E4M3")}
+    config = config or {**QLORA_LAYOUT, "quantization_plan": qlora_plan("E4M3")}
     meta = FSDPTurbo(config, meta_peft_model())
     load_pretrained(meta, base)
     built = dict(FSDPTurbo(config, peft_model()).named_parameters())

@@ -425,19 +425,24 @@ def tp_reference():
 
 
 @pytest.mark.multirank
-def test_lora_parity_under_fsdp2_x_tp2(tp_reference):
+def test_lora_parity_under_fsdp2_x_tp2(tp_reference, tmp_path):
     """FSDP=2 x TP=2, LoRA on every projection: with sequence parallel and loss parallel, without
-    sequence parallel, and with the output head a LoRA layer too (one launch)."""
-    from peft_jobs import TP_LAYOUTS, tp_facade_runs
+    sequence parallel, with the output head a LoRA layer too, and QLoRA-MX (every projection's frozen
+    base stored as packed E4M3 bytes) with sequence and loss parallel (one launch)."""
+    from peft_jobs import QLORA_TP, TP_LAYOUTS, tp_facade_runs
     from torch.distributed.tensor import Replicate, Shard
+
+    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 
     colwise, rowwise, replicated = str(Shard(0)), str(Shard(1)), str(Replicate())
     expected = {"self_attn.q_proj.base_layer.weight": colwise, "self_attn.q_proj.lora_A.default.weight": replicated,
                 "self_attn.q_proj.lora_B.default.weight": colwise, "self_attn.o_proj.base_layer.weight": rowwise,
                 "self_attn.o_proj.lora_A.default.weight": rowwise, "self_attn.o_proj.lora_B.default.weight": replicated}
-    for per_rank in run_distributed(tp_facade_runs, 4, timeout=600):
+    tiny_hf_causal_lm("llama").save_pretrained(tmp_path / "base")  # for a meta-built QLoRA-MX model to load
+    per_rank = run_distributed(tp_facade_runs, 4, str(tmp_path), str(tmp_path / "base"), timeout=600)
+    for results in per_rank:
         for name, (targets, _) in TP_LAYOUTS.items():
-            record, frozen_grads, placements = per_rank[name]
+            record, frozen_grads, placements, qlora = results[name]
             reference = tp_reference[name]
             assert len(reference.grads) == 2 * 2 * len(targets) - 2 * ("lm_head" in targets)  # adapters only
             try:
@@ -446,6 +451,89 @@ def test_lora_parity_under_fsdp2_x_tp2(tp_reference):
                 raise AssertionError(f"{name}: {error}") from error
             assert frozen_grads == [], name
             assert placements == expected, name
+            assert bool(qlora) == (name == QLORA_TP)
+        _assert_qlora_under_tp(results[QLORA_TP][3])
+    _assert_qlora_merged_save(tmp_path / "merged", per_rank[0][QLORA_TP][3]["logits"])
+
+
+def _assert_qlora_under_tp(checks):
+    """The frozen bases are packed MX bytes on (fsdp, tp): a colwise one cut in rows by TP and again by FSDP,
+    a rowwise one cut by TP into whole blocks of packed columns (64 in_features -> 2 blocks of 32 + 1 scale
+    byte each, one block a rank); the all-gathers move those bytes; TP first, then converting, packs the
+    same bytes each rank's piece of the whole weight's packing holds, and a meta-built model loads its base
+    into the same bytes."""
+    from peft_jobs import PROJECTIONS
+
+    assert checks["weights"] == {"self_attn.q_proj.base_layer.weight": ("torch.uint8", (64, 66), (16, 66)),
+                                 "self_attn.o_proj.base_layer.weight": ("torch.uint8", (64, 66), (32, 33))}
+    elements = sum(module.base_layer.weight.numel() for name, module in peft_model(targets=PROJECTIONS).named_modules()
+                   if name.endswith("_proj") and hasattr(module, "base_layer"))
+    stored, gathered, _ = checks["bytes"]
+    assert stored == elements * (1 + 1 / 32) / 4  # of 2 x 2 ranks: 0.26x of bf16
+    assert gathered == 2 * stored  # FSDP's all-gather over 2 ranks moves the stored bytes
+    tp_first = checks["tp first"]
+    refused = tp_first.pop("o_proj, block 64")
+    assert tp_first == {"q_proj": (True, "(Shard(dim=0),)", (64, 66), pytest.approx(0, abs=1e-5)),
+                        "o_proj": (True, "(Shard(dim=1),)", (64, 66), pytest.approx(0, abs=1e-5))}
+    assert refused.startswith("quantization_plan.block_size=64 is invalid: in_features=64 is split 2 ways") \
+        and "Fix: leave this Linear out of quantization_plan" in refused, refused
+    assert checks["meta-built shards that differ"] == []
+
+
+def _assert_qlora_merged_save(folder, logits):
+    """The merged save of the TP QLoRA-MX model (gathered packed bytes, decoded, the adapters merged in)
+    loads in transformers and gives the sharded model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert merged.model.layers[0].self_attn.o_proj.weight.dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=EVAL_IDS).logits, logits, rtol=1e-5, atol=1e-5)
+
+
+def _qlora_tp_plan(model, **quantization):
+    from peft_jobs import QLORA_TP, TP_LAYOUTS
+
+    from fsdp_turbo.core.parallel_state import ParallelState
+    from fsdp_turbo.fsdp_turbo import plan_transforms
+    from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
+
+    config = FSDPTurboConfig.from_dict({**TP_LAYOUTS[QLORA_TP][1], "quantization_plan": {
+        "store_frozen_weights": True, **quantization}})
+    state = ParallelState(config.validate(4), 0, "cpu", distributed=False)  # rank 0 of FSDP=2 x TP=2, planning only
+    return {transform.name: (transform, plan, state) for transform, plan in plan_transforms(config, model, state)}
+
+
+def test_qlora_mx_under_tp_needs_whole_blocks_of_in_features_per_rank(caplog):
+    """Under TP each rank holds its shard of a frozen weight, packed: a rowwise shard must hold whole
+    blocks of in_features; a colwise one cuts rows, so k_proj's 16 rows a rank are fine. Block 64 leaves
+    o_proj 32 in_features a rank: left high precision with a rank-0 warning naming it, or a
+    ConfigError when apply_modules picks it."""
+    from peft_jobs import PROJECTIONS
+
+    from fsdp_turbo.core.errors import ConfigError
+    from fsdp_turbo.quantization.frozen import MXFrozenLinear
+
+    model = peft_model(targets=PROJECTIONS)
+    transform, plan, state = _qlora_tp_plan(model, block_size=64)["quantize"]
+    converted = {c.name.removeprefix(f"{LAYER}.") for c in plan.conversions if c.name.startswith(LAYER)}
+    assert converted == {f"{p}.base_layer" for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    left_out = dict(plan.skipped)
+    assert left_out[f"{LAYER}.self_attn.o_proj.base_layer"] == ("tensor parallel leaves each rank in_features=32, "
+                                                                "not a multiple of block_size=64")
+    with caplog.at_level("WARNING", logger="fsdp_turbo"):
+        transform.apply(model, plan, state)
+    assert f"{LAYER}.self_attn.o_proj.base_layer (tensor parallel leaves each rank in_features=32" in caplog.text
+    o_proj, k_proj = (model.get_submodule(f"{LAYER}.self_attn.{p}.base_layer") for p in ("o_proj", "k_proj"))
+    assert not isinstance(o_proj, MXFrozenLinear) and o_proj.weight.dtype == torch.float32
+    assert isinstance(k_proj, MXFrozenLinear) and k_proj.weight.dtype == torch.uint8
+    with pytest.raises(ConfigError, match=rf"quantization_plan.apply_modules='{LAYER}.self_attn.o_proj.base_layer' "
+                                          r"is invalid: .*tensor parallel leaves each rank in_features=32"):
+        _qlora_tp_plan(peft_model(targets=PROJECTIONS), block_size=64, apply_modules=["*.o_proj"])
+    # block 32: every projection converts, k_proj and v_proj (16 rows a rank) and o_proj (one block a rank)
+    plan = _qlora_tp_plan(peft_model(targets=PROJECTIONS), apply_modules=[f"*.{p}" for p in PROJECTIONS])["quantize"][1]
+    assert len(plan.conversions) == 2 * len(PROJECTIONS) and plan.skipped == ()
 
 
 def test_peft_arguments_on_a_model_without_adapters_are_config_errors(tmp_path):
