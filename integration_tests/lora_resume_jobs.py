@@ -26,13 +26,31 @@ def _setup(config: dict):
     return model, optimizer
 
 
-def ep_lora_resume(out: str) -> dict[str, object]:
+def _meta_moe_peft_model():
+    """``moe_peft_model``'s LoRA (attention and experts) on a Qwen3-MoE built on the meta device."""
+    from peft import LoraConfig, get_peft_model
+    from peft_jobs import ATTENTION, EXPERT_PARAMETERS
+
+    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+
+    base = tiny_hf_causal_lm("qwen3_moe", device="meta")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=list(ATTENTION), target_parameters=EXPERT_PARAMETERS,
+                        init_lora_weights=False)
+    with torch.device("meta"):
+        return get_peft_model(base, config)
+
+
+def ep_lora_resume(out: str, base: str) -> dict[str, object]:
     """Two steps, a checkpoint, a third step: the trained adapters. Then a fresh model whose adapters
     are moved away, loaded from the checkpoint and stepped once more: its adapters, which must be the
-    same bits; and the placements of a ``lora_B`` of the experts (strided over the EP ranks)."""
+    same bits; the placements of a ``lora_B`` of the experts (strided over the EP ranks); and the
+    adapters of a meta-built model filled by ``load_pretrained`` from ``base`` and the trained model's
+    saved adapter folder."""
     from peft_jobs import BATCHES, EP_LAYOUT
 
+    from fsdp_turbo.checkpoint import load_pretrained, save_pretrained
     from fsdp_turbo.cli.checkpoint import load_checkpoint, save_checkpoint
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
     config = {**EP_LAYOUT, "ep_plan": {"dispatcher": "eager"}}
     model, optimizer = _setup(config)
@@ -51,4 +69,8 @@ def ep_lora_resume(out: str) -> dict[str, object]:
     _step(resumed, resumed_optimizer, BATCHES[2])
     again = {n: full_tensor(p) for n, p in resumed.named_parameters() if p.requires_grad}
     placements = sorted({str(p.placements) for n, p in model.named_parameters() if "experts.lora_B" in n})
-    return {"trained": trained, "resumed": again, "lora_B placements": placements}
+    save_pretrained(model, f"{out}/adapter")
+    loaded = FSDPTurbo(config, _meta_moe_peft_model())
+    load_pretrained(loaded, base, adapter=f"{out}/adapter")
+    adapters = {n: full_tensor(p) for n, p in loaded.named_parameters() if p.requires_grad}
+    return {"trained": trained, "resumed": again, "lora_B placements": placements, "loaded": adapters}

@@ -113,14 +113,19 @@ def test_kill_9_of_a_lora_worker_recovers_bit_identically(job_file, reference, t
 def test_lora_experts_under_ep_resume_from_the_commands_checkpoint_bit_identically(tmp_path):
     """EP=2 x efsdp 2, LoRA on the attention and the experts: the command's checkpoint holds the
     experts' strided lora_B shards (as plain-sharded views, ``checkpoint.strided``), and a step after
-    resuming gives the same bits as the step the uninterrupted model took."""
+    resuming gives the same bits as the step the uninterrupted model took. The adapter folder the
+    trained model saves loads back (``load_pretrained(..., adapter=)``) into a meta-built model at the
+    same layout, each rank reading its strided blocks."""
     from lora_resume_jobs import ep_lora_resume
 
     from fsdp_turbo.core.testing import run_distributed
+    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 
-    for result in run_distributed(ep_lora_resume, 4, str(tmp_path), timeout=300):
+    tiny_hf_causal_lm("qwen3_moe").save_pretrained(tmp_path / "base")
+    for result in run_distributed(ep_lora_resume, 4, str(tmp_path), str(tmp_path / "base"), timeout=300):
         assert any("_StridedShard" in p for p in result["lora_B placements"])
         assert result["trained"].keys() == result["resumed"].keys()
         assert any("experts.lora_B" in n for n in result["trained"])
         for name, tensor in result["trained"].items():
             assert torch.equal(result["resumed"][name], tensor), name
+            assert torch.equal(result["loaded"][name], tensor), name

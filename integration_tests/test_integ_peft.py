@@ -549,18 +549,17 @@ def test_peft_arguments_on_a_model_without_adapters_are_config_errors(tmp_path):
         load_pretrained(tiny_hf_causal_lm("llama", device="meta"), tmp_path / "base", adapter=tmp_path / "base")
 
 
-def test_a_lora_job_with_expert_adapters_under_ep_is_refused_before_it_trains():
-    """DCP cannot save lora_B's interleaved expert shards yet: refused when the job file is read,
-    not at the first checkpoint after hours of training."""
+def test_a_lora_job_with_expert_adapters_under_ep_is_read():
+    """Its checkpoints save the strided expert adapters (test_integ_cli_lora's resume test), so the
+    job is accepted with and without expert parallel."""
     from fsdp_turbo.cli.job_config import JobConfig
-    from fsdp_turbo.core.errors import ConfigError
 
     job = {"model": {"config": {"model_type": "qwen3_moe"}},
            "peft": {"target_modules": ["*.q_proj"], "target_parameters": ["mlp.experts.gate_up_proj"]},
            "turbo": {"expert_parallel_size": 2, "ep_plan": {}}}
-    with pytest.raises(ConfigError, match=r"peft.target_parameters.*expert_parallel_size: 1"):
-        JobConfig.from_dict(job)
-    JobConfig.from_dict({**job, "turbo": {}})  # without expert parallel: accepted
+    for turbo in (job["turbo"], {}):
+        read = JobConfig.from_dict({**job, "turbo": turbo})
+        assert read.peft.target_parameters == ("mlp.experts.gate_up_proj",)
 
 
 # ----- QLoRA-MX: frozen base weights stored and all-gathered in MX ---------------------------------------

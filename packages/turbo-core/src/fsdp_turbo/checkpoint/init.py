@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from fsdp_turbo.checkpoint.materialize import allocate, initialized_tensor, target_device
-from fsdp_turbo.checkpoint.shards import local_box, local_tensors
+from fsdp_turbo.checkpoint.shards import local_boxes, local_tensors
 from fsdp_turbo.checkpoint.stored_forms import ValuesBox, stored_forms
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.blueprint import blueprint as blueprint_of
@@ -29,11 +29,12 @@ def set_by_module(model: nn.Module, blueprint: nn.Module, local: dict[str, torch
                 continue
             done.add(id(original))
             whole = _initialized(blueprint, module_name, module, name, seed)
-            target = ValuesBox(local_box(local[prefix + name]), forms.get(prefix + name))
-            box = target.box
-            with torch.no_grad():
-                box.tensor.copy_(whole[tuple(slice(s, s + n) for s, n in zip(box.start, box.size, strict=True))])
-            target.commit()
+            for stored in local_boxes(local[prefix + name]):
+                target = ValuesBox(stored, forms.get(prefix + name))
+                box = target.box
+                with torch.no_grad():
+                    box.tensor.copy_(whole[tuple(slice(s, s + n) for s, n in zip(box.start, box.size, strict=True))])
+                target.commit()
             del whole
 
 

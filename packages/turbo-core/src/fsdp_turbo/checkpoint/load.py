@@ -14,7 +14,7 @@ from fsdp_turbo.checkpoint.files import CheckpointFiles
 from fsdp_turbo.checkpoint.init import non_persistent_buffers, set_by_module
 from fsdp_turbo.checkpoint.layout import Layout, Piece, checkpoint_layout
 from fsdp_turbo.checkpoint.materialize import allocate, target_device
-from fsdp_turbo.checkpoint.shards import local_box, local_tensors, overlap
+from fsdp_turbo.checkpoint.shards import local_boxes, local_tensors, overlap
 from fsdp_turbo.checkpoint.stored_forms import StoredForm, ValuesBox, stored_forms
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.blueprint import blueprint as blueprint_of
@@ -159,16 +159,17 @@ def _read_layout(layout: Layout, files: CheckpointFiles, local: dict[str, torch.
     for model_key, pieces in layout.pieces.items():
         if model_key not in local:
             continue  # another rank's experts
-        target = ValuesBox(local_box(local[model_key]), forms.get(model_key))
-        for piece in pieces:
-            if piece.key in absent:
-                continue
-            done = _read_piece(files, piece, target.box)
-            read, since_release = read + done, since_release + done
-            if since_release > RELEASE_EVERY:
-                files.release()
-                since_release = 0
-        target.commit()
+        for box in local_boxes(local[model_key]):
+            target = ValuesBox(box, forms.get(model_key))
+            for piece in pieces:
+                if piece.key in absent:
+                    continue
+                done = _read_piece(files, piece, target.box)
+                read, since_release = read + done, since_release + done
+                if since_release > RELEASE_EVERY:
+                    files.release()
+                    since_release = 0
+            target.commit()
     files.release()
     return read
 

@@ -31,6 +31,28 @@ def local_box(value: torch.Tensor) -> LocalBox:
     return LocalBox(local, tuple(start), tuple(size))
 
 
+def local_boxes(value: torch.Tensor) -> list[LocalBox]:
+    """This rank's part of ``value`` as boxes of the global tensor: one, but for a DTensor with a lone
+    ``_StridedShard`` (LoRA experts' ``lora_B`` under expert parallel), whose shard is ``split_factor``
+    boxes, each a view of the shard (see ``checkpoint.strided``)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from fsdp_turbo.checkpoint.strided import lone_strided, plain_view
+
+    if not lone_strided(value):
+        return [local_box(value)]
+    (strided,) = [p for p in value.placements if isinstance(p, _StridedShard)]
+    dim = strided.dim
+    view = local_box(plain_view(value))  # dims: ..., split_factor, columns per block, ...
+    block = value.shape[dim] // strided.split_factor
+    boxes = []
+    for j in range(view.size[dim]):
+        start = (*view.start[:dim], j * block + view.start[dim + 1], *view.start[dim + 2:])
+        size = (*view.size[:dim], view.size[dim + 1], *view.size[dim + 2:])
+        boxes.append(LocalBox(view.tensor.select(dim, j), start, size))
+    return boxes
+
+
 def local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer this rank holds, persistent or not, by qualified name."""
     found = dict(model.named_parameters(remove_duplicate=False))

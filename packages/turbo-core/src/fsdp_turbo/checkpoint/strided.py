@@ -28,8 +28,8 @@ def for_dcp(state: Any) -> Any:
         return {key: for_dcp(value) for key, value in state.items()}
     if isinstance(state, list):
         return [for_dcp(value) for value in state]
-    if _lone_strided(state):
-        return _plain_view(state)
+    if lone_strided(state):
+        return plain_view(state)
     return state
 
 
@@ -42,12 +42,12 @@ def from_dcp(loaded: Any, original: Any) -> Any:
     if isinstance(loaded, list):
         return [from_dcp(value, original[i]) if isinstance(original, list) and i < len(original) else value
                 for i, value in enumerate(loaded)]
-    if _lone_strided(original):
+    if lone_strided(original):
         return original
     return loaded
 
 
-def _lone_strided(value: Any) -> bool:
+def lone_strided(value: Any) -> bool:
     """A DTensor whose one ``_StridedShard`` dim no other placement shards. (FSDP over a sharded dim,
     e.g. ``(_StridedShard(0), Shard(0))``, is a nesting DCP computes right and is left alone.)"""
     if not isinstance(value, DTensor):
@@ -57,7 +57,7 @@ def _lone_strided(value: Any) -> bool:
                                          if not isinstance(p, _StridedShard))
 
 
-def _plain_view(tensor: DTensor) -> DTensor:
+def plain_view(tensor: DTensor) -> DTensor:
     (strided,) = [p for p in tensor.placements if isinstance(p, _StridedShard)]
     dim, factor = strided.dim, strided.split_factor
     placements = [Shard(dim + 1) if isinstance(p, _StridedShard)
