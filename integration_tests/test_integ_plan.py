@@ -109,3 +109,30 @@ def test_model_state_estimate_within_10_percent_of_memtracker(layout):
     _, estimate = make_plan(JobConfig.from_dict(job), 4)
     for bytes_on_rank in measured:
         assert abs(estimate.model_state / bytes_on_rank - 1) < 0.10, (estimate, measured)
+
+
+def test_plan_counts_lora_frozen_bytes_and_qlora_mx_packed_bytes():
+    """LoRA: gradients and AdamW states for the adapters only. QLoRA-MX: each frozen projection
+    weight at 1 + 1/32 bytes per element instead of 4 (its shard, padded as FSDP pads dim 0)."""
+    import math
+
+    from test_integ_cli_lora import JOBS
+
+    from fsdp_turbo.cli.model import build_model
+
+    world = 2
+    _, lora = make_plan(JobConfig.from_dict(JOBS["lora"]), world)
+    qlora_lines, qlora = make_plan(JobConfig.from_dict(JOBS["qlora-mx"]), world)
+    assert lora.gradients == qlora.gradients and lora.optimizer == qlora.optimizer
+    assert any("trainable" in line and "frozen" in line for line in qlora_lines)
+    job = JobConfig.from_dict(JOBS["lora"])
+    expected = {"lora": 0.0, "qlora-mx": 0.0}
+    for name, param in build_model(job.model, job.peft).named_parameters():
+        if param.requires_grad:
+            continue
+        shard = math.ceil(param.shape[0] / world) * math.prod(param.shape[1:])
+        packed = name.endswith("_proj.base_layer.weight")
+        expected["lora"] += 4 * shard
+        expected["qlora-mx"] += (1 + 1 / 32 if packed else 4) * shard
+    assert lora.frozen == math.ceil(expected["lora"]) and qlora.frozen == math.ceil(expected["qlora-mx"])
+    assert qlora.frozen < lora.frozen

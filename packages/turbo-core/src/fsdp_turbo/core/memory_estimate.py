@@ -8,8 +8,9 @@ parallel change which activations stay, and the optimizer swap moves the states 
 host.
 
 Model state: fp32 parameters and the trainable ones' gradients; AdamW keeps two fp32 states per trainable
-parameter and a 4-byte step per tensor. MX quantization keeps fp32 master weights, so it
-does not change the model state.
+parameter and a 4-byte step per tensor. MX training keeps fp32 master weights, so it does
+not change the model state; QLoRA-MX stores frozen weights in ``1 + 1/block`` bytes per
+element (``ParamLayout.bytes_per_element``, set by the quantization plan).
 
 Activations per micro-batch are a formula, not a measurement. Per decoder layer,
 ``tokens x (16 H + 3 I)`` values are kept for backward, where ``I`` is the active MLP
@@ -40,6 +41,7 @@ class ParamLayout:
     shards: int = 1  # FSDP shards of ``shard_dim`` (padded to a multiple, as FSDP2 does)
     shard_dim: int = 0
     trainable: bool = True  # frozen (e.g. a LoRA model's base): no gradient, no optimizer state
+    bytes_per_element: float = FP32  # as stored (QLoRA-MX's packed frozen weights: 1 + 1/block)
 
     def numel(self) -> int:
         if not self.shape:
@@ -93,7 +95,7 @@ class MemoryModel:
                    per_layer=16 * hidden + 3 * inter)
 
     def totals(self) -> MemoryEstimate:
-        parameters = sum(layout.numel() for layout in self.params.values()) * FP32
+        parameters = math.ceil(sum(layout.numel() * layout.bytes_per_element for layout in self.params.values()))
         trainable = [layout for layout in self.params.values() if layout.trainable]
         gradients = sum(layout.numel() for layout in trainable) * FP32
         optimizer = 2 * gradients + FP32 * len(trainable) if self.optimizer_on_device else 0
@@ -102,4 +104,6 @@ class MemoryModel:
             kept = min(kept, 2 * kept // max(self.layers, 1))
         logit_rows = min(self.tokens, self.logit_chunk) if self.logit_chunk else self.tokens
         activations = (kept + 2 * logit_rows * self.vocab // self.vocab_shards) * FP32
-        return MemoryEstimate(parameters, gradients, optimizer, activations, parameters - gradients)
+        frozen = math.ceil(sum(layout.numel() * layout.bytes_per_element for layout in self.params.values()
+                               if not layout.trainable))
+        return MemoryEstimate(parameters, gradients, optimizer, activations, frozen)

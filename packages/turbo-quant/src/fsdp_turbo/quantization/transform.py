@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.memory_estimate import MemoryModel
 from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, SplitsParameters, Stage, Transform
@@ -15,6 +16,7 @@ from fsdp_turbo.quantization.converter import Conversion, apply_conversions, pla
 from fsdp_turbo.quantization.training.recipe import MXRecipe
 
 _log = get_logger(__name__)
+FROZEN_PREFIX = "mx_frozen_"  # the converters that store frozen weights (store_frozen_weights)
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,16 @@ class QuantizePlan(FeaturePlan):
             by_reason.setdefault(why, []).append(name)
         rows += [PlanRow(f"quantization_plan (left out: {why})", tuple(names)) for why, names in by_reason.items()]
         return tuple(rows)
+
+    def estimate(self, memory: MemoryModel) -> None:
+        # QLoRA-MX: the frozen weights of a frozen-weight converter's modules are stored as packed
+        # MX bytes, one code per element and one E8M0 scale per block. (MX training keeps fp32
+        # master weights: no change.)
+        frozen = [c.name for c in self.conversions if c.converter.startswith(FROZEN_PREFIX)]
+        for name, layout in memory.params.items():
+            module = name.rpartition(".")[0]
+            if module in frozen and not layout.trainable and len(layout.shape) >= 2:
+                layout.bytes_per_element = 1 + 1 / self.recipe.block_size
 
 
 def tensor_parallel_unsuitable(model: nn.Module, tp: SplitsParameters, block: int, *,
