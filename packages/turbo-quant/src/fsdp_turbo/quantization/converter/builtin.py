@@ -5,6 +5,12 @@ from __future__ import annotations
 from torch import nn
 
 from fsdp_turbo.quantization.converter.registry import Converter, register_converter
+from fsdp_turbo.quantization.frozen.mx_frozen_experts import (
+    EXPERT_WEIGHTS,
+    MXFrozenExperts,
+    frozen_experts_unsupported,
+    to_mx_frozen_experts,
+)
 from fsdp_turbo.quantization.frozen.mx_frozen_linear import MXFrozenLinear, to_mx_frozen_linear
 from fsdp_turbo.quantization.training.mx_experts import (
     MXFusedExperts,
@@ -57,4 +63,19 @@ MX_FROZEN_LINEAR = register_converter(Converter(
     handles=_is_frozen_linear,
     unsupported=_frozen_linear_unsupported,
     convert=lambda m, recipe: to_mx_frozen_linear(m, recipe),
+))
+
+
+def _is_frozen_experts(module: nn.Module) -> bool:
+    return (is_fused_experts(module) and not isinstance(module, (MXFusedExperts, MXFrozenExperts))
+            and not any(getattr(module, name).requires_grad for name in EXPERT_WEIGHTS))
+
+
+# Picked for frozen fused experts when quantization_plan.store_frozen_weights is set (see plan.py);
+# registered after mx_experts, so without that flag mx_experts handles every fused experts module as before.
+MX_FROZEN_EXPERTS = register_converter(Converter(
+    name="mx_frozen_experts",
+    handles=_is_frozen_experts,
+    unsupported=frozen_experts_unsupported,
+    convert=lambda m, recipe: to_mx_frozen_experts(m, recipe),
 ))

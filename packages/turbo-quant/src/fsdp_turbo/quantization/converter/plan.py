@@ -16,6 +16,8 @@ from fsdp_turbo.quantization.training.recipe import MXRecipe
 
 FIELD = "quantization_plan"
 FROZEN = "mx_frozen_linear"
+FROZEN_EXPERTS = "mx_frozen_experts"
+FROZEN_CONVERTERS = (FROZEN, FROZEN_EXPERTS)  # picked only with store_frozen_weights
 
 
 @dataclass(frozen=True)
@@ -74,9 +76,11 @@ def plan_conversion(model: nn.Module, plan, facts: ModelFacts, *, unsuitable: Ma
     excluded = {**_default_exclusions(model, facts), **(unsuitable or {})}
     conversions, skipped = [], []
     store_frozen = bool(getattr(plan, "store_frozen_weights", False))
-    if not store_frozen and plan.converters is not None and FROZEN in plan.converters:
+    frozen_asked = [c for c in FROZEN_CONVERTERS if plan.converters is not None and c in plan.converters]
+    if not store_frozen and frozen_asked:
         raise ConfigError(f"{FIELD}.converters", list(plan.converters), "set store_frozen_weights: true",
-                          reason=f"{FROZEN} stores frozen weights in MX, which store_frozen_weights turns on")
+                          reason=f"{', '.join(frozen_asked)} store frozen weights in MX, which store_frozen_weights "
+                                 "turns on")
     for name, module in model.named_modules():
         converter = next((c for c in converters if c.handles(module)), None)
         if converter is None or any(_inside(name, skip) for skip in ignored):
@@ -113,12 +117,16 @@ def _in_tuner_layer(model: nn.Module, name: str) -> bool:
 
 def _frozen_choice(model: nn.Module, name: str, module: nn.Module, converter: Converter,
                    excluded: Mapping[str, str]) -> Converter | None:
-    """With ``store_frozen_weights``: the frozen-weight converter for a frozen Linear, None for a
-    trainable adapter of a PEFT tuner layer (it stays high precision), else a ConfigError."""
+    """With ``store_frozen_weights``: the frozen-weight converter for a frozen Linear or frozen fused
+    experts, None for a trainable adapter of a PEFT tuner layer (it stays high precision), else a
+    ConfigError."""
     field = f"{FIELD}.store_frozen_weights"
+    if converter.name in ("mx_experts", FROZEN_EXPERTS):
+        return _frozen_experts_choice(model, name, module)
     if converter.name not in ("mx_linear", FROZEN):
         raise ConfigError(field, True, f"add {name!r} to ignored_modules, or drop store_frozen_weights",
-                          reason=f"{converter.name} does not store frozen weights in MX (only Linears do)")
+                          reason=f"{converter.name} does not store frozen weights in MX (only Linears and fused "
+                                 "experts do)")
     if not module.weight.requires_grad:
         return get_converter(FROZEN)
     if _in_tuner_layer(model, name) or name in excluded:
@@ -126,6 +134,25 @@ def _frozen_choice(model: nn.Module, name: str, module: nn.Module, converter: Co
     raise ConfigError(field, True, f"freeze {name!r} (train adapters, e.g. PEFT LoRA, over it), add it to "
                       "ignored_modules, or drop store_frozen_weights",
                       reason=f"{name}.weight is trainable (full fine-tuning) and only frozen weights are stored MX")
+
+
+def _frozen_experts_choice(model: nn.Module, name: str, module: nn.Module) -> Converter:
+    """Frozen fused experts store their weights MX. LoRA on the experts themselves (PEFT
+    ``target_parameters``) adds its delta to the base weights inside PEFT's forward, which would
+    read packed bytes: refused, as are experts whose weights train."""
+    field = f"{FIELD}.store_frozen_weights"
+    if _in_tuner_layer(model, name):
+        raise ConfigError(field, True, f"add {name!r} to {FIELD}.ignored_modules (its weights stay high precision "
+                          "under the expert adapters), or drop the experts from LoraConfig.target_parameters",
+                          reason=f"{name} has LoRA on its fused weights (PEFT target_parameters), which PEFT folds "
+                                 "into the weights it reads, and frozen MX experts hold packed bytes there")
+    trainable = [n for n in ("gate_up_proj", "down_proj") if getattr(module, n).requires_grad]
+    if trainable:
+        raise ConfigError(field, True, f"freeze {name!r} (train adapters elsewhere, e.g. PEFT LoRA on the "
+                          "attention), add it to ignored_modules, or drop store_frozen_weights",
+                          reason=f"{name}'s {', '.join(trainable)} train (full fine-tuning) and only frozen "
+                                 "weights are stored MX")
+    return get_converter(FROZEN_EXPERTS)
 
 
 def apply_conversions(model: nn.Module, conversions: list[Conversion] | tuple[Conversion, ...],
