@@ -36,13 +36,19 @@ from fsdp_turbo.distributed.expert_parallel.forms import (
 
 _log = get_logger(__name__)
 
-# Experts converted to MX training by turbo-quant carry ``mx_recipe``; turbo-quant registers
-# their grouped forward under this op name (no import between the two packages).
+# Experts converted by turbo-quant carry ``mx_recipe``; turbo-quant registers their grouped
+# forward as an op (no import between the two packages): MX training's under this name, others
+# (frozen MX experts, whose weights are packed bytes) under the name the module gives in ``mx_experts_op``.
 QUANTIZED_EXPERTS_OP = "mx.experts_grouped"
 
 
 def is_quantized(module: nn.Module) -> bool:
     return getattr(module, "mx_recipe", None) is not None
+
+
+def quantized_experts_op(module: nn.Module) -> str:
+    """The op that runs converted (``is_quantized``) experts on expert-major rows."""
+    return getattr(module, "mx_experts_op", QUANTIZED_EXPERTS_OP)
 
 
 @register_expert_form
@@ -107,7 +113,7 @@ class FusedExperts(ExpertAdapter):
     def grouped(self, module: nn.Module, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         experts = self.experts_module(module)
         if is_quantized(experts):
-            return call_op(QUANTIZED_EXPERTS_OP, x.device.type, experts, x, group_sizes)
+            return call_op(quantized_experts_op(experts), x.device.type, experts, x, group_sizes)
         gate_up, down, gate_up_bias, down_bias = self._weights(module)
         offsets = torch.cumsum(group_sizes, 0)
 
