@@ -102,9 +102,15 @@ class MXPackedRows:
         return (start[0], start[1] // per * block), (size[0], size[1] // per * block)
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
+        if values.numel() == 0:  # an empty shard (more FSDP ranks than rows) has no block to quantize
+            return torch.empty(values.shape[0], packed_width(values.shape[1], self.recipe.block_size),
+                               dtype=torch.uint8, device=values.device)
         return pack_mx(quantize_frozen_weight(values, self.recipe))
 
     def decode(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if stored.numel() == 0:
+            elements = stored.shape[1] // (self.recipe.block_size + 1) * self.recipe.block_size
+            return torch.empty(stored.shape[0], elements, dtype=dtype, device=stored.device)
         return dequantize_mx(unpack_mx(stored, self.recipe, dtype), dtype)
 
 
