@@ -439,11 +439,15 @@ class QuantizeConfig(ConfigSection):
     ``[0, max_exponent]``. Unset: the format's own (HIF8 gradients: 7)."""
 
     store_frozen_weights: bool = False
-    """QLoRA-MX: keep every frozen weight of a converted Linear (a LoRA layer's ``base_layer``) in
-    ``quant_format``: one byte per element and one E8M0 scale per block, about 0.52x of bf16 per rank,
-    and FSDP all-gathers those bytes. The frozen weight is dequantized after the all-gather for the
-    forward and the input-gradient GEMMs; trainable adapters stay high precision. A picked Linear whose
-    weight trains is an error, as are tensor parallel and the experts converter."""
+    """QLoRA-MX: keep every frozen weight of a converted Linear (a LoRA layer's ``base_layer``) or
+    fused MoE experts module in ``quant_format``: one byte per element and one E8M0 scale per block,
+    about 0.52x of bf16 per rank, and FSDP all-gathers those bytes. The frozen weight is dequantized
+    after the all-gather for the forward and the input-gradient GEMMs; trainable adapters stay high
+    precision. Under tensor parallel each rank holds the packing of its shard. Works on meta-built
+    models (``load_pretrained`` quantizes each rank's rows); saves write the dequantized values. A
+    picked weight that trains is an error, as is LoRA on the experts themselves
+    (``target_parameters``) over frozen MX experts; a Linear whose rowwise TP shard is not whole
+    blocks stays high precision (an error when ``apply_modules`` picks it)."""
 
     def __post_init__(self) -> None:
         p = self._prefix
