@@ -28,7 +28,7 @@ rowwise cuts packed columns, which lands on block edges when each rank's ``in_fe
 multiple of the block (the quantize transform leaves other Linears high precision). A weight
 that is already a TP DTensor when converted is packed shard by shard into a DTensor of the same
 placements. Either way each rank holds the packing of its shard of the weight, and the forward
-runs the GEMMs on that shard, returning the DTensor ``F.linear`` would (see ``_tp_frozen_linear``).
+runs the GEMMs on that shard, returning the DTensor ``F.linear`` would (``quantization.tp_linear``).
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn import functional
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.mixin import mix_in
-from fsdp_turbo.core.model_inspect import local_tensor
 from fsdp_turbo.quantization.mx_formats.formats import get_format
 from fsdp_turbo.quantization.mx_formats.mx_tensor import MXTensor, dequantize_mx, quantize_mx
+from fsdp_turbo.quantization.tp_linear import tp_linear
 from fsdp_turbo.quantization.training.recipe import MXRecipe
 
 
@@ -137,33 +137,6 @@ class _FrozenMXLinearFunction(torch.autograd.Function):
         return grad_x, None, grad_bias, None
 
 
-def _tp_frozen_linear(x: torch.Tensor, packed: DTensor, bias: torch.Tensor | None, recipe: MXRecipe) -> DTensor:
-    """Each rank runs the GEMMs on its packed shard; the result carries the placement ``F.linear``
-    would give (colwise: Shard(-1); rowwise: Partial, then the bias; replicated: Replicate), so
-    TP's styles redistribute it as they would a plain Linear's (sequence parallel included)."""
-    mesh = packed.device_mesh
-    if mesh.ndim != 1:  # FSDP2 hands the forward the TP shard alone, on the TP mesh
-        raise ConfigError("tensor_parallel", str(mesh), "shard a frozen MX weight on a 1-D tensor-parallel mesh "
-                          "(with FSDP2 on top, as the facade does)",
-                          reason="the packed weight's forward runs on one mesh dimension of shards")
-    placement = packed.placements[0]
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-    out_dim = x.dim() - 1
-    if isinstance(placement, Shard) and placement.dim == 0:  # colwise: out features sharded
-        x_local = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-        out = _FrozenMXLinearFunction.apply(x_local, packed.to_local(), local_tensor(bias), recipe)
-        return DTensor.from_local(out, mesh, [Shard(out_dim)], run_check=False)
-    if isinstance(placement, Shard) and placement.dim == 1:  # rowwise: in features (whole blocks) sharded
-        x_local = x.redistribute(mesh, [Shard(out_dim)]).to_local()
-        out = DTensor.from_local(_FrozenMXLinearFunction.apply(x_local, packed.to_local(), None, recipe), mesh,
-                                 [Partial()], run_check=False)
-        return out if bias is None else out + bias
-    x_local = x.redistribute(mesh, [Replicate()]).to_local()
-    out = _FrozenMXLinearFunction.apply(x_local, packed.to_local(), local_tensor(bias), recipe)
-    return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
-
-
 class MXFrozenLinear(nn.Linear):
     """A Linear whose frozen weight is a packed MX uint8 parameter (see the module docstring).
 
@@ -174,7 +147,8 @@ class MXFrozenLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, DTensor):
-            return _tp_frozen_linear(x, self.weight, self.bias, self.mx_recipe)
+            return tp_linear(x, self.weight, self.bias,
+                             lambda xl, wl, bl: _FrozenMXLinearFunction.apply(xl, wl, bl, self.mx_recipe))
         return _FrozenMXLinearFunction.apply(x, self.weight, self.bias, self.mx_recipe)
 
     def extra_repr(self) -> str:
