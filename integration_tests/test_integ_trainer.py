@@ -1,0 +1,134 @@
+"""transformers' ``Trainer`` through ``with_fsdp_turbo`` at FSDP=4 against the plain ``Trainer`` in one
+process with the same global batch (``PER_RANK x 4`` rows), float32: every logged step loss within
+rtol 1e-5, every logged grad norm within 1e-4, each step on the same rows, and ``save_model``'s
+folder read back by ``from_pretrained`` as the one-process Trainer's own.
+
+The refusals run in this process: they are checked before ``FSDPTurbo`` shards the model, so
+before any collective.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from trainer_jobs import FSDP4, PER_RANK, STEPS, WORLD, token_dataset, train, training_arguments
+
+from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.testing import run_distributed, run_reference
+from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+
+transformers = pytest.importorskip("transformers")
+from fsdp_turbo.integrations.transformers import with_fsdp_turbo  # noqa: E402 - after the importorskip
+
+
+@pytest.mark.multirank
+def test_trainer_at_fsdp4_matches_the_one_process_trainer(tmp_path):
+    reference = run_reference(train, str(tmp_path / "one"), PER_RANK * WORLD, None, timeout=300)
+    ranks = run_distributed(train, WORLD, str(tmp_path / "fsdp4"), PER_RANK, FSDP4, timeout=300)
+    assert len(reference["loss"]) == len(reference["grad_norm"]) == STEPS
+    for rank, result in enumerate(ranks):
+        # the model was sharded once, by FSDPTurbo, and not wrapped again (no DDP, no second FSDP)
+        assert result["wrapped_is_model"] and result["model_type"] == "FSDPLlamaForCausalLM"
+        assert result["dtensor_params"] and result["dp"] == (rank, WORLD)
+        torch.testing.assert_close(result["loss"], reference["loss"], rtol=1e-5, atol=0)
+        for ours, theirs in zip(result["grad_norm"], reference["grad_norm"], strict=True):
+            assert math.isclose(ours, theirs, rel_tol=0, abs_tol=1e-4), (ours, theirs)
+    assert max(reference["grad_norm"]) > 1.0  # max_grad_norm=1.0 clipped: the clipped steps match too
+    # each global step: the ranks' rows, in rank order, are the one-process step's rows
+    for step in range(STEPS):
+        rows = torch.cat([result["inputs"][step] for result in ranks])
+        assert torch.equal(rows, reference["inputs"][step]), step
+    _assert_same_saved_model(tmp_path / "fsdp4" / "model", tmp_path / "one" / "model")
+
+
+def _assert_same_saved_model(ours, theirs):
+    """save_model's folder: the files the plain Trainer writes, loaded by from_pretrained to the same weights."""
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    mine, expected = (transformers.AutoModelForCausalLM.from_pretrained(d).state_dict() for d in (ours, theirs))
+    assert sorted(mine) == sorted(expected)
+    for key, tensor in expected.items():
+        torch.testing.assert_close(mine[key], tensor, rtol=0, atol=1e-5, msg=key)
+    # it trained: the saved weights are not the initial ones
+    initial = tiny_hf_causal_lm("llama").state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    assert not torch.allclose(mine["model.layers.0.self_attn.q_proj.weight"], initial, atol=1e-4)
+
+
+# ----- refusals, each before any collective -----------------------------------------------------------
+def _construct(tmp_path, config=None, **arguments):
+    trainer_cls = with_fsdp_turbo(transformers.Trainer)
+    args = training_arguments(str(tmp_path), PER_RANK, **arguments)
+    return trainer_cls(model=tiny_hf_causal_lm("llama"), args=args, train_dataset=token_dataset(),
+                       fsdp_turbo_config={} if config is None else config)
+
+
+REFUSED_ARGUMENTS = {
+    "gradient_checkpointing": ({"gradient_checkpointing": True}, "TrainingArguments.gradient_checkpointing",
+                               "recompute=True"),
+    "activation_checkpointing": ({"activation_checkpointing": True}, "TrainingArguments.",
+                                 "recompute=True"),
+    "torch_compile": ({"torch_compile": True}, "TrainingArguments.torch_compile", "compile=True"),
+    "fsdp": ({"fsdp": "full_shard"}, "TrainingArguments.fsdp", "drop fsdp"),
+    "bf16 without param_dtype": ({"bf16": True}, "TrainingArguments.bf16", "fsdp_plan.param_dtype='bfloat16'"),
+    "fp16 without param_dtype": ({"fp16": True}, "TrainingArguments.fp16", "fsdp_plan.param_dtype='float16'"),
+    "checkpoints": ({"save_strategy": "steps"}, "TrainingArguments.save_strategy", "save_strategy='no'"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_ARGUMENTS))
+def test_training_arguments_it_cannot_honour_are_refused(tmp_path, case):
+    arguments, field, fix = REFUSED_ARGUMENTS[case]
+    with pytest.raises(ConfigError) as error:
+        _construct(tmp_path, **arguments)
+    assert error.value.field.startswith(field), error.value
+    assert fix in error.value.fix and "Fix: " in str(error.value)
+
+
+def test_parallelism_config_is_refused(tmp_path):
+    from accelerate.parallelism_config import ParallelismConfig
+
+    with pytest.raises(ConfigError, match=r"TrainingArguments.parallelism_config=.*Fix: drop parallelism_config"):
+        _construct(tmp_path, parallelism_config=ParallelismConfig(dp_shard_size=1))
+
+
+def test_deepspeed_is_refused(tmp_path):
+    trainer_cls = with_fsdp_turbo(transformers.Trainer)
+    args = training_arguments(str(tmp_path), PER_RANK)
+    # TrainingArguments(deepspeed=...) imports deepspeed, not installed here: the field is set as it would read
+    args.deepspeed = {"zero_optimization": {"stage": 3}}
+    with pytest.raises(ConfigError, match=r"TrainingArguments.deepspeed=.*Fix: drop deepspeed"):
+        trainer_cls(model=tiny_hf_causal_lm("llama"), args=args, train_dataset=token_dataset(),
+                    fsdp_turbo_config={})
+
+
+def test_param_dtype_without_bf16_is_refused_from_a_yaml_config(tmp_path):
+    path = tmp_path / "turbo.yaml"
+    path.write_text("fsdp_plan:\n  param_dtype: bfloat16\n")
+    with pytest.raises(ConfigError, match=r"fsdp_plan.param_dtype='bfloat16'.*Fix: set bf16=True"):
+        _construct(tmp_path, config=str(path))
+
+
+def test_the_model_stays_unsharded_when_refused(tmp_path):
+    model = tiny_hf_causal_lm("llama")
+    with pytest.raises(ConfigError):
+        with_fsdp_turbo(transformers.Trainer)(model=model, args=training_arguments(str(tmp_path), 2, bf16=True),
+                                              fsdp_turbo_config={})
+    assert not hasattr(model, "parallel_state")
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+
+
+def test_what_with_fsdp_turbo_takes(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer_cls='Module'.*transformers.Trainer or a subclass"):
+        with_fsdp_turbo(torch.nn.Module)
+    trainer_cls = with_fsdp_turbo(transformers.Trainer)
+    assert issubclass(trainer_cls, transformers.Trainer) and trainer_cls.__name__ == "FSDPTurboTrainer"
+    with pytest.raises(ConfigError, match=r"already comes from with_fsdp_turbo"):
+        with_fsdp_turbo(trainer_cls)
+    args = training_arguments(str(tmp_path), PER_RANK)
+    with pytest.raises(ConfigError, match=r"fsdp_turbo_config=None.*Fix: pass fsdp_turbo_config="):
+        trainer_cls(model=tiny_hf_causal_lm("llama"), args=args)
+    with pytest.raises(ConfigError, match=r"model='tiny-llama'.*load the model yourself"):
+        trainer_cls(model="tiny-llama", args=args, fsdp_turbo_config={})
+    with pytest.raises(ConfigError, match=r"args=None.*pass args=TrainingArguments"):
+        trainer_cls(model=tiny_hf_causal_lm("llama"), fsdp_turbo_config={})
