@@ -33,13 +33,27 @@ TINY_DEEPSEEK_V3_DEFAULTS: dict[str, Any] = {
     "first_k_dense_replace": 1, "n_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": 32,
     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8,
 }
+# gpt-oss: attention sinks, sliding-window layers (every other one), experts with biases and a
+# clamped SwiGLU. layer_types is derived by the config from num_hidden_layers.
+# Plain rotary: the default YaRN scaling expects a 4096-token original context.
+TINY_GPT_OSS_DEFAULTS: dict[str, Any] = {"intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                         "sliding_window": 8,
+                                         "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}
+# Qwen3-Next: Gated DeltaNet linear attention in most layers (full attention every
+# full_attention_interval), MoE with a shared expert.
+TINY_QWEN3_NEXT_DEFAULTS: dict[str, Any] = {
+    **TINY_MOE_DEFAULTS, "shared_expert_intermediate_size": 32, "full_attention_interval": 2,
+    "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+}
 
 
 def tiny_hf_causal_lm(kind: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32,
                       device: str | torch.device | None = None, **overrides: Any) -> nn.Module:
     """A tiny ``LlamaForCausalLM``, ``Qwen3ForCausalLM``, or MoE model with 8 experts, top-2:
-    ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` or
-    ``DeepseekV3ForCausalLM``; the same seed gives the same weights. ``device="meta"``
+    ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``,
+    ``DeepseekV3ForCausalLM``, ``GptOssForCausalLM`` or ``Qwen3NextForCausalLM``; the same seed
+    gives the same weights. ``device="meta"``
     builds it with no storage (for ``fsdp_turbo.checkpoint``)."""
     import transformers
 
@@ -50,6 +64,8 @@ def tiny_hf_causal_lm(kind: str = "llama", *, seed: int = 0, dtype: torch.dtype 
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, TINY_MIXTRAL_DEFAULTS),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, TINY_QWEN2_MOE_DEFAULTS),
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, TINY_DEEPSEEK_V3_DEFAULTS),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, TINY_GPT_OSS_DEFAULTS),
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, TINY_QWEN3_NEXT_DEFAULTS),
     }
     if kind not in classes:
         raise ValueError(f"unknown tiny model {kind!r}; use one of {sorted(classes)}")
