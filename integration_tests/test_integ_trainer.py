@@ -13,7 +13,16 @@ import math
 
 import pytest
 import torch
-from trainer_jobs import FSDP4, PER_RANK, STEPS, WORLD, token_dataset, train, training_arguments
+from trainer_jobs import (
+    FSDP4,
+    PER_RANK,
+    STEPS,
+    WORLD,
+    token_dataset,
+    train,
+    train_bf16_one_rank,
+    training_arguments,
+)
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.testing import run_distributed, run_reference
@@ -55,6 +64,16 @@ def _assert_same_saved_model(ours, theirs):
     assert not torch.allclose(mine["model.layers.0.self_attn.q_proj.weight"], initial, atol=1e-4)
 
 
+def test_bf16_is_fsdp_plans_mixed_precision_without_accelerates_autocast(tmp_path):
+    result = run_reference(train_bf16_one_rank, str(tmp_path), timeout=300)
+    assert result["mixed_precision"] == "no" and not result["autocast_wrapped"]
+    # FSDP2 gathers and computes in bf16 (the logits leave the model in bf16: no autocast casts them back) ...
+    assert result["output_dtypes"] == [torch.bfloat16] * 2
+    # ... over float32 master parameters, and it trains
+    assert result["master_dtypes"] == {torch.float32}
+    assert len(result["loss"]) == 2 and all(math.isfinite(loss) for loss in result["loss"])
+
+
 # ----- refusals, each before any collective -----------------------------------------------------------
 def _construct(tmp_path, config=None, **arguments):
     trainer_cls = with_fsdp_turbo(transformers.Trainer)
@@ -71,7 +90,7 @@ REFUSED_ARGUMENTS = {
     "torch_compile": ({"torch_compile": True}, "TrainingArguments.torch_compile", "compile=True"),
     "fsdp": ({"fsdp": "full_shard"}, "TrainingArguments.fsdp", "drop fsdp"),
     "bf16 without param_dtype": ({"bf16": True}, "TrainingArguments.bf16", "fsdp_plan.param_dtype='bfloat16'"),
-    "fp16 without param_dtype": ({"fp16": True}, "TrainingArguments.fp16", "fsdp_plan.param_dtype='float16'"),
+    "fp16": ({"fp16": True}, "TrainingArguments.fp16", "use bf16=True"),
     "checkpoints": ({"save_strategy": "steps"}, "TrainingArguments.save_strategy", "save_strategy='no'"),
 }
 
@@ -132,3 +151,13 @@ def test_what_with_fsdp_turbo_takes(tmp_path):
         trainer_cls(model="tiny-llama", args=args, fsdp_turbo_config={})
     with pytest.raises(ConfigError, match=r"args=None.*pass args=TrainingArguments"):
         trainer_cls(model=tiny_hf_causal_lm("llama"), fsdp_turbo_config={})
+
+
+@pytest.mark.parametrize(("variable", "value", "expected"), [
+    ("ACCELERATE_MIXED_PRECISION", "bf16", r"\$ACCELERATE_MIXED_PRECISION='bf16'.*Fix: set fsdp_plan.param_dtype"),
+    ("ACCELERATE_USE_FSDP", "true", r"\$ACCELERATE_USE_FSDP='true'.*Fix: launch with torchrun"),
+])
+def test_accelerate_launch_options_are_refused_too(tmp_path, monkeypatch, variable, value, expected):
+    monkeypatch.setenv(variable, value)  # what `accelerate launch --mixed_precision bf16` / `--use_fsdp` set
+    with pytest.raises(ConfigError, match=expected):
+        _construct(tmp_path)

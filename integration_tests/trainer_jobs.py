@@ -75,3 +75,24 @@ def train(output_dir: str, per_device: int, config: dict | None) -> dict:
         "dp": (trainer.model.parallel_state.dp_rank, trainer.model.parallel_state.dp_size)
         if config is not None else (0, 1),
     }
+
+
+def train_bf16_one_rank(output_dir: str) -> dict:
+    """``bf16=True`` with ``fsdp_plan.param_dtype='bfloat16'`` on one rank: FSDP2 computes in bf16 and accelerate
+    adds no autocast of its own (which would cast the model's outputs back to float32)."""
+    from transformers import Trainer
+
+    from fsdp_turbo.integrations.transformers import with_fsdp_turbo
+
+    model = tiny_hf_causal_lm("llama")
+    output_dtypes: list[torch.dtype] = []
+    model.register_forward_hook(lambda _module, _args, output: output_dtypes.append(output.logits.dtype))
+    trainer = with_fsdp_turbo(Trainer)(model=model, args=training_arguments(output_dir, PER_RANK, bf16=True,
+                                                                            max_steps=2),
+                                       train_dataset=token_dataset(),
+                                       fsdp_turbo_config={"fsdp_plan": {"param_dtype": "bfloat16"}})
+    trainer.train()
+    return {"output_dtypes": output_dtypes, "mixed_precision": trainer.accelerator.mixed_precision,
+            "autocast_wrapped": hasattr(trainer.model, "_original_forward"),
+            "master_dtypes": {p.dtype for p in trainer.model.parameters()},
+            "loss": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]}

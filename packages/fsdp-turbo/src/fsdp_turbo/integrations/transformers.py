@@ -94,7 +94,6 @@ _OTHER_LAYOUTS = {
 }
 # accelerate launch's switches, read by the Accelerator from the environment behind TrainingArguments' back.
 _LAUNCHER_ENV = {"ACCELERATE_USE_FSDP": "fsdp", "ACCELERATE_USE_DEEPSPEED": "deepspeed"}
-_PRECISION_FIELDS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _refuse_owned_features(args: Any) -> None:
@@ -121,23 +120,35 @@ def _refuse_other_layouts(args: Any) -> None:
                               reason="the model is sharded by FSDPTurbo and must not be wrapped again")
 
 
+def _precision_source(args: Any) -> tuple[str, Any]:
+    """Where the Trainer's mixed precision comes from, and its value: its bf16/fp16 field, else accelerate
+    launch's environment."""
+    for name in ("bf16", "fp16"):
+        if getattr(args, name, False):
+            return f"TrainingArguments.{name}", True
+    return "$ACCELERATE_MIXED_PRECISION", os.environ.get("ACCELERATE_MIXED_PRECISION")
+
+
 def _check_mixed_precision(args: Any, config: FSDPTurboConfig) -> None:
-    """Mixed precision comes from ``fsdp_plan.param_dtype``: the Trainer's bf16/fp16 must say the same."""
+    """Mixed precision comes from ``fsdp_plan.param_dtype``: the Trainer's (bf16, fp16, or accelerate launch's
+    ``--mixed_precision``, all in ``args.mixed_precision``) must say the same."""
+    asked = getattr(args, "mixed_precision", "no") or "no"
     param_dtype = config.fsdp_plan.param_dtype
     param_dtype = None if param_dtype == torch.float32 else param_dtype
-    for name, dtype in _PRECISION_FIELDS.items():
-        if getattr(args, name, False) and param_dtype != dtype:
-            raise ConfigError(f"TrainingArguments.{name}", True,
-                              f"set fsdp_plan.param_dtype={str(dtype).removeprefix('torch.')!r} in the FSDPTurbo "
-                              f"config (mixed precision comes from fsdp_plan), or {name}=False",
-                              reason=f"fsdp_plan.param_dtype is {param_dtype}")
-    asked = [dtype for name, dtype in _PRECISION_FIELDS.items() if getattr(args, name, False)]
-    if param_dtype is not None and param_dtype not in asked:
-        name = next((n for n, d in _PRECISION_FIELDS.items() if d == param_dtype), None)
-        fix = (f"set {name}=True in TrainingArguments too, or unset fsdp_plan.param_dtype" if name is not None
-               else "use 'bfloat16' (with bf16=True) or 'float16' (with fp16=True), or unset it")
-        raise ConfigError("fsdp_plan.param_dtype", str(param_dtype).removeprefix("torch."), fix,
-                          reason="TrainingArguments ask for no mixed precision (bf16 and fp16 are False)")
+    if asked == "fp16":
+        raise ConfigError(*_precision_source(args), "use bf16=True with fsdp_plan.param_dtype='bfloat16'",
+                          reason="fp16 needs a loss scaler, which with_fsdp_turbo does not set up for sharded "
+                                 "gradients")
+    if asked == "bf16" and param_dtype != torch.bfloat16:
+        raise ConfigError(*_precision_source(args), "set fsdp_plan.param_dtype='bfloat16' in the FSDPTurbo config "
+                          "(mixed precision comes from fsdp_plan), or drop bf16",
+                          reason=f"fsdp_plan.param_dtype is {param_dtype}")
+    if asked == "no" and param_dtype is not None:
+        shown = str(param_dtype).removeprefix("torch.")
+        fix = ("set bf16=True in TrainingArguments too, or unset fsdp_plan.param_dtype"
+               if param_dtype == torch.bfloat16 else "use 'bfloat16' (with bf16=True), or unset it")
+        raise ConfigError("fsdp_plan.param_dtype", shown, fix,
+                          reason="TrainingArguments ask for no mixed precision (bf16 is False)")
 
 
 def _refuse_checkpoints(args: Any) -> None:
@@ -218,6 +229,12 @@ class FSDPTurboTrainerMixin:
         bound.arguments["model"] = FSDPTurbo(config, model)
         self.fsdp_turbo_config = config
         super().__init__(*bound.args, **bound.kwargs)
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        # Why: with bf16, accelerate would wrap the model's forward in autocast (and cast its outputs to float32):
+        # a second mixed precision over FSDP2's, which fsdp_plan.param_dtype already gives (parameters gathered and
+        # computed in bf16, as in FSDPTurbo's own loop). bf16 was checked against param_dtype before sharding.
+        return {**super()._build_accelerator_args(**kwargs), "mixed_precision": "no"}
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the model in transformers' layout (a PEFT model: its adapter) into ``output_dir``, with the
