@@ -1,7 +1,7 @@
 """transformers' ``Trainer`` through ``with_fsdp_turbo`` at FSDP=4 against the plain ``Trainer`` in one
-process with the same global batch (``PER_RANK x 4`` rows), float32: every logged step loss within
-rtol 1e-5, every logged grad norm within 1e-4, each step on the same rows, and ``save_model``'s
-folder read back by ``from_pretrained`` as the one-process Trainer's own.
+process with the same global batch (``PER_RANK x 4`` rows), float32: every logged step loss and
+eval loss within rtol 1e-5, every logged grad norm within 1e-4, each step on the same rows, and
+``save_model``'s folder read back by ``from_pretrained`` as the one-process Trainer's own.
 
 The refusals run in this process: they are checked before ``FSDPTurbo`` shards the model, so
 before any collective.
@@ -14,13 +14,13 @@ import math
 import pytest
 import torch
 from trainer_jobs import (
-    FSDP4,
     PER_RANK,
     STEPS,
     WORLD,
     token_dataset,
     train,
     train_bf16_one_rank,
+    train_fsdp4,
     training_arguments,
 )
 
@@ -35,8 +35,15 @@ from fsdp_turbo.integrations.transformers import with_fsdp_turbo  # noqa: E402 -
 @pytest.mark.multirank
 def test_trainer_at_fsdp4_matches_the_one_process_trainer(tmp_path):
     reference = run_reference(train, str(tmp_path / "one"), PER_RANK * WORLD, None, timeout=300)
-    ranks = run_distributed(train, WORLD, str(tmp_path / "fsdp4"), PER_RANK, FSDP4, timeout=300)
+    runs = run_distributed(train_fsdp4, WORLD, str(tmp_path), timeout=300)
     assert len(reference["loss"]) == len(reference["grad_norm"]) == STEPS
+    _assert_matches(reference, [run["plain"] for run in runs])
+    # with gradient accumulation (2 micro-batches of 1 row a rank): the same steps
+    _assert_matches(reference, [run["accumulated"] for run in runs])
+    _assert_same_saved_model(tmp_path / "fsdp4" / "model", tmp_path / "one" / "model")
+
+
+def _assert_matches(reference, ranks):
     for rank, result in enumerate(ranks):
         # the model was sharded once, by FSDPTurbo, and not wrapped again (no DDP, no second FSDP)
         assert result["wrapped_is_model"] and result["model_type"] == "FSDPLlamaForCausalLM"
@@ -45,11 +52,15 @@ def test_trainer_at_fsdp4_matches_the_one_process_trainer(tmp_path):
         for ours, theirs in zip(result["grad_norm"], reference["grad_norm"], strict=True):
             assert math.isclose(ours, theirs, rel_tol=0, abs_tol=1e-4), (ours, theirs)
     assert max(reference["grad_norm"]) > 1.0  # max_grad_norm=1.0 clipped: the clipped steps match too
+    assert len(reference["eval_loss"]) == STEPS // 2  # evaluations at steps 2 and 4, on the sharded model too
+    for result in ranks:
+        torch.testing.assert_close(result["eval_loss"], reference["eval_loss"], rtol=1e-5, atol=0)
     # each global step: the ranks' rows, in rank order, are the one-process step's rows
+    micro_batches = len(ranks[0]["inputs"]) // STEPS
     for step in range(STEPS):
-        rows = torch.cat([result["inputs"][step] for result in ranks])
+        rows = torch.cat([result["inputs"][step * micro_batches + micro] for micro in range(micro_batches)
+                          for result in ranks])
         assert torch.equal(rows, reference["inputs"][step]), step
-    _assert_same_saved_model(tmp_path / "fsdp4" / "model", tmp_path / "one" / "model")
 
 
 def _assert_same_saved_model(ours, theirs):

@@ -19,16 +19,22 @@ ROWS, SEQ_LEN, VOCAB = 64, 16, 256
 FSDP4 = {"fully_shard_parallel_size": WORLD}
 
 
-def token_dataset():
-    """Fixed-length rows of token ids; each row's first ``i % 7`` labels are masked (-100)."""
+def token_dataset(rows: int = ROWS, *, masked: bool = True, seed: int = 1234):
+    """Fixed-length rows of token ids; with ``masked``, each row's first ``i % 7`` labels are -100."""
     from datasets import Dataset
 
-    generator = torch.Generator().manual_seed(1234)
-    ids = torch.randint(0, VOCAB, (ROWS, SEQ_LEN), generator=generator)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (rows, SEQ_LEN), generator=generator)
     labels = ids.clone()
-    for row in range(ROWS):
+    for row in range(rows if masked else 0):
         labels[row, : row % 7] = -100
     return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+
+
+def eval_dataset():
+    # Unmasked rows: the Trainer's eval_loss is a mean of per-batch means, which equals the token mean (the same
+    # at any batch size) only when every row has as many labels.
+    return token_dataset(16, masked=False, seed=4321)
 
 
 def training_arguments(output_dir: str, per_device: int, **overrides):
@@ -43,31 +49,38 @@ def training_arguments(output_dir: str, per_device: int, **overrides):
 def _record_inputs(model) -> list[torch.Tensor]:
     """The input_ids of every forward, in order: which rows each step trained on."""
     seen: list[torch.Tensor] = []
-    model.register_forward_pre_hook(lambda _module, _args, kwargs: seen.append(kwargs["input_ids"].clone()),
-                                    with_kwargs=True)
+
+    def record(module, _args, kwargs):
+        if module.training:  # not the evaluations between steps
+            seen.append(kwargs["input_ids"].clone())
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
     return seen
 
 
-def train(output_dir: str, per_device: int, config: dict | None) -> dict:
+def train(output_dir: str, per_device: int, config: dict | None, **overrides) -> dict:
     """Train the tiny Llama for ``STEPS`` steps: the plain Trainer when ``config`` is None, else through
     ``with_fsdp_turbo``. Returns the logged losses and grad norms, and the rows each step saw."""
     from transformers import Trainer
 
     model = tiny_hf_causal_lm("llama")
     seen = _record_inputs(model)
+    args = training_arguments(output_dir, per_device, per_device_eval_batch_size=per_device, eval_strategy="steps",
+                              eval_steps=2, **overrides)
+    data = {"train_dataset": token_dataset(), "eval_dataset": eval_dataset()}
     if config is None:
-        trainer = Trainer(model=model, args=training_arguments(output_dir, per_device), train_dataset=token_dataset())
+        trainer = Trainer(model=model, args=args, **data)
     else:
         from fsdp_turbo.integrations.transformers import with_fsdp_turbo
 
-        trainer = with_fsdp_turbo(Trainer)(model=model, args=training_arguments(output_dir, per_device),
-                                           train_dataset=token_dataset(), fsdp_turbo_config=config)
+        trainer = with_fsdp_turbo(Trainer)(model=model, args=args, **data, fsdp_turbo_config=config)
     trainer.train()
     trainer.save_model(f"{output_dir}/model")
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     return {
         "loss": [entry["loss"] for entry in logs],
         "grad_norm": [entry["grad_norm"] for entry in logs],
+        "eval_loss": [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry],
         "inputs": seen,
         "wrapped_is_model": trainer.model_wrapped is trainer.model,
         "model_type": type(trainer.model_wrapped).__name__,
@@ -75,6 +88,14 @@ def train(output_dir: str, per_device: int, config: dict | None) -> dict:
         "dp": (trainer.model.parallel_state.dp_rank, trainer.model.parallel_state.dp_size)
         if config is not None else (0, 1),
     }
+
+
+def train_fsdp4(output_dir: str) -> dict:
+    """One launch, two runs at FSDP=4 with the same global batch: ``PER_RANK`` rows a rank, and one row a rank
+    over two accumulated micro-batches."""
+    per_micro_batch = PER_RANK // 2
+    return {"plain": train(f"{output_dir}/fsdp4", PER_RANK, FSDP4),
+            "accumulated": train(f"{output_dir}/accumulated", per_micro_batch, FSDP4, gradient_accumulation_steps=2)}
 
 
 def train_bf16_one_rank(output_dir: str) -> dict:

@@ -23,14 +23,16 @@ Tested with transformers 5.23 and accelerate 1.15 (``TESTED_VERSIONS``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.fsdp_turbo import FSDPTurbo
@@ -157,8 +159,8 @@ def _refuse_checkpoints(args: Any) -> None:
     strategy = getattr(getattr(args, "save_strategy", "no"), "value", getattr(args, "save_strategy", "no"))
     if strategy != "no":
         raise ConfigError("TrainingArguments.save_strategy", strategy,
-                          "set save_strategy='no' and save the trained model with "
-                          "fsdp_turbo.checkpoint.save_pretrained(trainer.model, path) on every rank",
+                          "set save_strategy='no' and save the trained model with trainer.save_model(path) "
+                          "after trainer.train(), on every rank",
                           reason="Trainer checkpoints of an FSDPTurbo model are not supported yet")
 
 
@@ -235,6 +237,25 @@ class FSDPTurboTrainerMixin:
         # a second mixed precision over FSDP2's, which fsdp_plan.param_dtype already gives (parameters gathered and
         # computed in bf16, as in FSDPTurbo's own loop). bf16 was checked against param_dtype before sharding.
         return {**super()._build_accelerator_args(**kwargs), "mixed_precision": "no"}
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self) -> Iterator[None]:
+        # Why: under gradient accumulation the Trainer defers the reduction of a model sharded at load time, reading
+        # that model's config.distributed_config (from_pretrained(distributed_config=...)), which an FSDPTurbo model
+        # has not. Nothing is deferred here: gradients reduce-scatter after every micro-batch and accumulate sharded,
+        # as in FSDPTurbo's own loop (deferring would hold whole, unsharded gradients between micro-batches).
+        yield
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        # Why: a forward without backward leaves FSDP2's units that keep their parameters after forward (the root,
+        # fsdp_plan.keep_after_forward) gathered, whole on every rank, until the next backward. Evaluation and
+        # prediction (both run this loop) end with every unit sharded again: the memory is given back, and the
+        # parameters are the DTensor shards that the optimizer step and save_model read.
+        output = super().evaluation_loop(*args, **kwargs)
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return output
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the model in transformers' layout (a PEFT model: its adapter) into ``output_dir``, with the
