@@ -56,24 +56,31 @@ def local_tensor(value: torch.Tensor | None, *, differentiable: bool = True) -> 
 
 # ----- fused MoE experts ---------------------------------------------------------------------
 EXPERT_FORWARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
+# The same call under other models' names (gpt-oss: ``router_indices``, ``routing_weights``),
+# each mapped to the name it stands for in ``EXPERT_FORWARD_ARGS``.
+EXPERT_FORWARD_ALIASES = {"router_indices": "top_k_index", "routing_weights": "top_k_weights"}
 
 
 def has_router_forward(module: nn.Module) -> bool:
-    """Whether ``module.forward`` takes ``(hidden_states, top_k_index, top_k_weights)``."""
+    """Whether ``module.forward`` takes ``(hidden_states, top_k_index, top_k_weights)``, under
+    those names or their ``EXPERT_FORWARD_ALIASES``."""
     try:
         params = tuple(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
         return False
-    return params[:3] == EXPERT_FORWARD_ARGS
+    return tuple(EXPERT_FORWARD_ALIASES.get(p, p) for p in params[:3]) == EXPERT_FORWARD_ARGS
 
 
 @dataclass(frozen=True)
 class FusedExpertsForm:
     """The shape of a fused experts container (transformers v5 form).
 
-    ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` (``[E, H, 2I]`` / ``[E, I, H]``
-    when the module says ``is_transposed``), optional ``gate_up_proj_bias`` /
-    ``down_proj_bias``, and ``forward(hidden_states, top_k_index, top_k_weights)``.
+    ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``, or transposed ``[E, H, 2I]`` /
+    ``[E, I, H]`` (as the module's ``is_transposed`` says, else as the shapes say: the two
+    layouts never fit the same pair of shapes: gpt-oss stores its experts transposed, and
+    says so only through transformers' experts decorator), optional ``gate_up_proj_bias
+    [E, 2I]`` / ``down_proj_bias [E, H]``, and ``forward(hidden_states, top_k_index,
+    top_k_weights)`` (or its aliases).
     """
 
     num_experts: int
@@ -81,6 +88,15 @@ class FusedExpertsForm:
     intermediate: int
     transposed: bool
     has_bias: bool
+
+
+def _fused_dims(gate_up: torch.Size, down: torch.Size, transposed: bool) -> tuple[int, int, int] | None:
+    """``(E, H, I)`` if ``gate_up`` / ``down`` are ``[E, H, 2I]`` / ``[E, I, H]`` (``transposed``)
+    or ``[E, 2I, H]`` / ``[E, H, I]``, else ``None``."""
+    experts, first, second = gate_up
+    hidden, two_inter = (first, second) if transposed else (second, first)
+    expected_down = (experts, two_inter // 2, hidden) if transposed else (experts, hidden, two_inter // 2)
+    return (experts, hidden, two_inter // 2) if two_inter % 2 == 0 and tuple(down) == expected_down else None
 
 
 def fused_experts_form(module: nn.Module) -> FusedExpertsForm | None:
@@ -91,21 +107,22 @@ def fused_experts_form(module: nn.Module) -> FusedExpertsForm | None:
         return None
     if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
         return None
-    transposed = bool(getattr(module, "is_transposed", False))
-    if transposed:
-        experts, hidden, two_inter = gate_up.shape
-        expected_down = (experts, two_inter // 2, hidden)
-    else:
-        experts, two_inter, hidden = gate_up.shape
-        expected_down = (experts, hidden, two_inter // 2)
-    if two_inter % 2 or tuple(down.shape) != expected_down:
+    declared = getattr(module, "is_transposed", None)
+    layouts = (bool(declared),) if declared is not None else (False, True)
+    found = next(((t, dims) for t in layouts if (dims := _fused_dims(gate_up.shape, down.shape, t))), None)
+    if found is None:
         return None
+    transposed, (experts, hidden, inter) = found
     # The gate is the module's own ``_apply_gate`` (HF's experts decorator adds one), else ``act_fn(gate) * up``.
     gated = callable(getattr(module, "_apply_gate", None)) or callable(getattr(module, "act_fn", None))
     if not gated or not has_router_forward(module):
         return None
-    has_bias = any(isinstance(getattr(module, n, None), nn.Parameter) for n in ("gate_up_proj_bias", "down_proj_bias"))
-    return FusedExpertsForm(experts, hidden, two_inter // 2, transposed, has_bias)
+    biases = {n: getattr(module, n, None) for n in ("gate_up_proj_bias", "down_proj_bias")}
+    expected = {"gate_up_proj_bias": (experts, 2 * inter), "down_proj_bias": (experts, hidden)}
+    if any(isinstance(b, nn.Parameter) and tuple(b.shape) != expected[n] for n, b in biases.items()):
+        return None  # per-expert rows are what expert parallel shards with their experts
+    has_bias = any(isinstance(b, nn.Parameter) for b in biases.values())
+    return FusedExpertsForm(experts, hidden, inter, transposed, has_bias)
 
 
 def is_tuner_layer(module: nn.Module) -> bool:

@@ -1,11 +1,15 @@
 """The built-in expert forms of HF-style models, recognised by form rather than class name
 (``forms`` holds the registry; ``counted_experts`` torchtitan's form):
 
-- **Fused 3-D weights** (transformers v5: Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3):
-  ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` (``[E, H, 2I]`` / ``[E, I, H]`` when
-  the module says ``is_transposed``), optional ``*_bias`` parameters, and
-  ``forward(hidden_states, top_k_index, top_k_weights)``. The gate is the module's own
-  ``_apply_gate`` when it has one (HF's experts decorator adds it), else ``act(gate) * up``.
+- **Fused 3-D weights** (transformers v5: Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3,
+  gpt-oss): ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` (``[E, H, 2I]`` /
+  ``[E, I, H]`` when transposed, as gpt-oss stores them), optional per-expert biases
+  ``gate_up_proj_bias [E, 2I]`` / ``down_proj_bias [E, H]`` (kept and sharded with their
+  experts), and ``forward(hidden_states, top_k_index, top_k_weights)`` (gpt-oss names the
+  last two ``router_indices``, ``routing_weights``). The gate is the module's own
+  ``_apply_gate`` when it has one (HF's experts decorator adds it; gpt-oss's own is its
+  clamped SwiGLU over interleaved gate/up columns, with the module's ``alpha`` and
+  ``limit``), else ``act(gate) * up``.
 - **A ModuleList of per-expert MLPs** (older and custom models): an ``nn.ModuleList``
   subclass, or a module whose only child is one, with that same forward. Each entry maps
   ``[n, H] -> [n, H]``.
@@ -55,8 +59,8 @@ def quantized_experts_op(module: nn.Module) -> str:
 @dataclass(frozen=True)
 class FusedExperts(ExpertAdapter):
     transposed: bool = False
-    form: ClassVar[str] = ("fused 3-D gate_up_proj/down_proj weights with "
-                           "forward(hidden_states, top_k_index, top_k_weights)")
+    form: ClassVar[str] = ("fused 3-D gate_up_proj/down_proj weights ([E, 2I, H]/[E, H, I] or transposed, "
+                           "optional [E, out] biases) with forward(hidden_states, top_k_index, top_k_weights)")
 
     @classmethod
     def detect(cls, module: nn.Module) -> FusedExperts | None:

@@ -27,6 +27,7 @@ from fsdp_turbo.core.expert_forms import (
     registered_expert_forms,
     remove_expert_form,
 )
+from fsdp_turbo.core.model_inspect import EXPERT_FORWARD_ALIASES
 
 Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``dispatch(hidden_states, top_k_index, top_k_weights) -> [rows, H]``: what the unsharded
@@ -75,8 +76,10 @@ class ExpertAdapter(abc.ABC):
 
     def run_forward(self, dispatch: Dispatch, *args, **kwargs) -> torch.Tensor:
         """The container's forward, expert-parallel: turn its arguments into ``dispatch``'s
-        and its result into the container's. The default is the router-style forward."""
-        return dispatch(*args, **kwargs)
+        and its result into the container's. The default is the router-style forward, its
+        keywords under their names or the aliases other models use (gpt-oss:
+        ``router_indices``, ``routing_weights``)."""
+        return dispatch(*args, **{EXPERT_FORWARD_ALIASES.get(k, k): v for k, v in kwargs.items()})
 
 
 def register_expert_form(cls: type[ExpertAdapter]) -> type[ExpertAdapter]:
