@@ -41,6 +41,10 @@ def test_trainer_at_fsdp4_matches_the_one_process_trainer(tmp_path):
     # with gradient accumulation (2 micro-batches of 1 row a rank): the same steps
     _assert_matches(reference, [run["accumulated"] for run in runs])
     _assert_same_saved_model(tmp_path / "fsdp4" / "model", tmp_path / "one" / "model")
+    for run in runs:  # every rank refuses CP (its peers would need one batch), itself, before sharding
+        refusal = run["cp_refusal"]
+        assert refusal.startswith("context_parallel_size=2 is invalid"), refusal
+        assert "Fix: set context_parallel_size=1" in refusal, refusal
 
 
 def _assert_matches(reference, ranks):

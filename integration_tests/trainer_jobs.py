@@ -92,10 +92,28 @@ def train(output_dir: str, per_device: int, config: dict | None, **overrides) ->
 
 def train_fsdp4(output_dir: str) -> dict:
     """One launch, two runs at FSDP=4 with the same global batch: ``PER_RANK`` rows a rank, and one row a rank
-    over two accumulated micro-batches."""
+    over two accumulated micro-batches; and the layout the Trainer cannot feed yet (CP peers share a batch)."""
     per_micro_batch = PER_RANK // 2
     return {"plain": train(f"{output_dir}/fsdp4", PER_RANK, FSDP4),
-            "accumulated": train(f"{output_dir}/accumulated", per_micro_batch, FSDP4, gradient_accumulation_steps=2)}
+            "accumulated": train(f"{output_dir}/accumulated", per_micro_batch, FSDP4, gradient_accumulation_steps=2),
+            "cp_refusal": _context_parallel_refusal(output_dir)}
+
+
+def _context_parallel_refusal(output_dir: str) -> str | None:
+    from transformers import Trainer
+
+    from fsdp_turbo.core.errors import ConfigError
+    from fsdp_turbo.integrations.transformers import with_fsdp_turbo
+
+    model = tiny_hf_causal_lm("llama")
+    try:
+        with_fsdp_turbo(Trainer)(model=model, args=training_arguments(f"{output_dir}/cp", PER_RANK),
+                                 train_dataset=token_dataset(),
+                                 fsdp_turbo_config={"fully_shard_parallel_size": 2, "context_parallel_size": 2})
+    except ConfigError as error:
+        assert not hasattr(model, "parallel_state")  # refused before FSDPTurbo touched it
+        return str(error)
+    return None
 
 
 def train_bf16_one_rank(output_dir: str) -> dict:

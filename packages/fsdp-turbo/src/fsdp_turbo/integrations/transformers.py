@@ -38,14 +38,15 @@ from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.fsdp_turbo import FSDPTurbo
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
-try:
+try:  # transformers is a dependency of the fsdp-turbo package (not of turbo-core); its Trainer needs accelerate
+    import accelerate  # noqa: F401 - only to name it when missing
     import transformers
     from packaging.version import Version
     from transformers.trainer import TRAINING_ARGS_NAME
-except ImportError as error:  # transformers is a dependency of the fsdp-turbo package, not of turbo-core
+except ImportError as error:
     raise ImportError(
-        "fsdp_turbo.integrations.transformers needs transformers (tested with 5.23): "
-        "pip install fsdp-turbo (it depends on transformers), or pip install 'transformers>=5.23'") from error
+        f"fsdp_turbo.integrations.transformers needs transformers and accelerate (tested with transformers 5.23 "
+        f"and accelerate 1.15): pip install 'transformers>=5.23' 'accelerate>=1.15' ({error})") from error
 
 __all__ = ["TESTED_VERSIONS", "FSDPTurboTrainerMixin", "check_training_arguments", "load_config", "with_fsdp_turbo"]
 
