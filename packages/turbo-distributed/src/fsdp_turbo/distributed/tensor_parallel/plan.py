@@ -60,6 +60,26 @@ SHARDED_KINDS = frozenset({StyleKind.COLWISE, StyleKind.ROWWISE})
 
 
 @dataclass(frozen=True)
+class HeadParameter:
+    """A parameter an attention module holds itself (not in a sub-Linear), one entry per query
+    head along ``dim``. Its forward reads it beside the head-sharded projections, so TP splits it
+    with the heads: each rank's forward sees its own heads' entries."""
+
+    module_class: str  # the class name (this package never imports transformers)
+    parameter: str
+    dim: int = 0
+    what: str = ""
+
+
+# The per-head parameters TP knows how to split. A module whose projections TP splits and that
+# holds any other parameter itself is refused at plan time (see _head_parameters).
+HEAD_PARAMETERS: tuple[HeadParameter, ...] = (
+    # gpt-oss attention sinks: one logit per query head, joined to that head's scores.
+    HeadParameter("GptOssAttention", "sinks", 0, "attention sinks"),
+)
+
+
+@dataclass(frozen=True)
 class StyleChoice:
     """A style, as data; ``build_style`` makes the torch ``ParallelStyle`` from it."""
 
@@ -68,6 +88,7 @@ class StyleChoice:
     sequence_sharded: bool = False  # colwise: input on sequence shards; rowwise: output; prepare_input: SP
     vocab_shards: bool = False  # colwise head under loss parallel: keep the logits vocab-sharded
     gather_output: bool = False  # colwise output head without loss parallel: whole-vocabulary logits
+    head_parameters: tuple[tuple[str, int], ...] = ()  # prepare_input: own per-head parameters -> their head dim
 
 
 def build_style(choice: StyleChoice) -> ParallelStyle:
@@ -88,7 +109,8 @@ def build_style(choice: StyleChoice) -> ParallelStyle:
     builders = {
         StyleKind.SEQUENCE_PARALLEL: lambda: FrozenKeepingSequenceParallel(sequence_dim=SEQUENCE_DIM,
                                                                            use_local_output=True),
-        StyleKind.PREPARE_INPUT: lambda: PrepareHiddenStates(sequence_parallel=choice.sequence_sharded),
+        StyleKind.PREPARE_INPUT: lambda: PrepareHiddenStates(sequence_parallel=choice.sequence_sharded,
+                                                             head_parameters=choice.head_parameters),
         StyleKind.HEAD_LOCAL: HeadLocalParallel,
         StyleKind.SCATTER_SEQUENCE: ScatterSequence,
         StyleKind.GATHER_REPLICATE: lambda: ReplicateParallel(gather_sequence=True),
@@ -127,7 +149,12 @@ class TPPlan(FeaturePlan):
         by_kind: dict[str, list[str]] = defaultdict(list)
         for name, choice in self.styles:
             by_kind[choice.kind.value].append(name)
-        return tuple(PlanRow(f"tp_plan ({kind})", tuple(names)) for kind, names in sorted(by_kind.items()))
+        rows = [PlanRow(f"tp_plan ({kind})", tuple(names)) for kind, names in sorted(by_kind.items())]
+        per_head = tuple(f"{name}.{parameter}" for name, choice in self.styles
+                         for parameter, _ in choice.head_parameters)
+        if per_head:
+            rows.append(PlanRow("tp_plan (split with the heads)", per_head))
+        return tuple(rows)
 
     def estimate(self, memory: MemoryModel) -> None:
         for parameter, dim in self.shard_dims:
@@ -258,15 +285,17 @@ def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int, facts: ModelF
     matches = _match(model, plan, keep)
     _validate(model, matches, tp, facts)
     loss_head = _loss_head(plan, matches.colwise, facts)
-    styles = _choose_styles(model, plan, matches, loss_head, keep, facts)
+    styles = _choose_styles(model, plan, matches, loss_head, keep, facts, tp)
     tied = _check_tied(model, styles)
     shard_dims = [dim for name, choice in styles.items() if choice.kind in SHARDED_KINDS
                   for dim in _shard_dims(name, model.get_submodule(name), choice.kind)]
+    shard_dims += [(f"{name}.{parameter}", dim) for name, choice in styles.items()
+                   for parameter, dim in choice.head_parameters]
     return TPPlan(tp, tuple(styles.items()), tuple(tied), loss_head, tuple(shard_dims))
 
 
 def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss_head: str | None,
-                   keep: Callable[[str, nn.Module], bool], facts: ModelFacts) -> dict[str, StyleChoice]:
+                   keep: Callable[[str, nn.Module], bool], facts: ModelFacts, tp: int) -> dict[str, StyleChoice]:
     colwise, rowwise, sequence = matches.colwise, matches.rowwise, matches.sequence
     sp = bool(sequence)
     blocks = {name: model.get_submodule(name) for name in facts.blocks}
@@ -288,7 +317,8 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
     head_name = facts.head
     styles: dict[str, StyleChoice] = {}
     for name in hook_parents:
-        styles[name] = StyleChoice(StyleKind.PREPARE_INPUT, sequence_sharded=sp)
+        styles[name] = StyleChoice(StyleKind.PREPARE_INPUT, sequence_sharded=sp,
+                                   head_parameters=_head_parameters(name, model.get_submodule(name), tp, facts))
     for name, module in colwise.items():
         prepared = _parent(name) in hook_parents
         choice = _colwise_choice(module, sequence_input=sp and not prepared,
@@ -318,6 +348,45 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
                       and not any(name.startswith(p + ".") for p in hook_parents)) if sp else (lambda name: False)
     _replicate_the_rest(model, styles, set(colwise) | set(rowwise), sequence_local, keep)
     return styles
+
+
+def _known_head_parameter(module: nn.Module, parameter: str) -> HeadParameter | None:
+    classes = {cls.__name__ for cls in type(module).__mro__}
+    return next((known for known in HEAD_PARAMETERS
+                 if known.parameter == parameter and known.module_class in classes), None)
+
+
+def _head_counts(module: nn.Module, facts: ModelFacts) -> set[int]:
+    counts = {facts.num_attention_heads, facts.num_key_value_heads}
+    counts |= {getattr(module, attribute, None) for attribute in ("num_heads", "num_attention_heads",
+                                                                  "num_key_value_heads")}
+    return {count for count in counts if isinstance(count, int)}
+
+
+def _head_parameters(name: str, module: nn.Module, tp: int, facts: ModelFacts) -> tuple[tuple[str, int], ...]:
+    """The parameters ``module`` (whose colwise projections TP splits) holds itself, each with
+    the dim TP splits it on. A parameter the planner does not know would be read whole beside
+    this rank's heads (a shape error in the forward, or a gradient from one rank's heads only):
+    refused here, by name."""
+    split = []
+    for parameter, value in module.named_parameters(recurse=False):
+        full = f"{name}.{parameter}"
+        known = _known_head_parameter(module, parameter)
+        if known is None:
+            per_head = value.dim() >= 1 and value.shape[0] in _head_counts(module, facts)
+            kind = (f"a per-head parameter (leading dim {value.shape[0]}: the head count)" if per_head
+                    else "a parameter it holds itself")
+            raise ConfigError("tp_plan.colwise_parallel", full,
+                              f"leave {name}'s projections out of tp_plan, or add how {parameter} splits with the "
+                              "heads to fsdp_turbo.distributed.tensor_parallel.plan.HEAD_PARAMETERS",
+                              reason=f"{full} {list(value.shape)} is {kind}, which tensor parallel does not know "
+                                     f"how to split beside the sharded projections of {type(module).__name__}")
+        size = value.shape[known.dim]
+        if size % tp:
+            raise ConfigError("tensor_parallel_size", tp, f"use a tensor_parallel_size that divides {size}",
+                              reason=f"{full} ({known.what}) has {size} heads on dim {known.dim}")
+        split.append((parameter, known.dim))
+    return tuple(split)
 
 
 def _colwise_choice(module: nn.Module, *, sequence_input: bool, vocab_shards: bool,

@@ -14,7 +14,9 @@
   gets the sum of every rank's gradient.
 * :class:`PrepareHiddenStates`: converts a block's ``hidden_states`` input (the first
   positional tensor or the ``hidden_states`` keyword) once to a replicated DTensor,
-  so the colwise projections that share it cost one collective, not one each.
+  so the colwise projections that share it cost one collective, not one each. With
+  ``head_parameters`` it also splits the parameters the module holds itself per head
+  (gpt-oss's attention ``sinks``) with the heads: see :func:`shard_head_parameters`.
 * :class:`ScatterSequence`: the entry into the sequence-parallel region: the full
   hidden states are cut to this rank's sequence slice (no communication forward).
 """
@@ -192,15 +194,49 @@ class _HiddenStatesHook(ParallelStyle):
         return module
 
 
+def shard_head_parameters(module: nn.Module, mesh: DeviceMesh, dims: tuple[tuple[str, int], ...]) -> None:
+    """Each named parameter of ``module`` (one entry per head along its dim) becomes a DTensor
+    sharded on that dim over the TP mesh, as the head-sharded projections beside it are. The
+    module's forward reads the attribute whole (``self.sinks``), so during the forward the
+    attribute is this rank's local shard: its heads' entries; their gradient returns as the
+    same ``Shard`` (every rank sees all tokens of its own heads, so nothing is summed)."""
+    for name, dim in dims:
+        param = module._parameters[name]
+        sharded = distribute_tensor(param.detach(), mesh, [Shard(dim)])
+        module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    names = [name for name, _ in dims]
+    saved: list[dict[str, nn.Parameter]] = []
+
+    def swap_in(mod: nn.Module, args: tuple) -> None:
+        # Whatever is registered now (possibly FSDP's unsharded parameter) is restored after.
+        current = {name: mod._parameters[name] for name in names}
+        saved.append(current)
+        for name, param in current.items():
+            mod._parameters[name] = param.to_local()
+
+    def swap_out(mod: nn.Module, args: tuple, output: Any) -> None:
+        mod._parameters.update(saved.pop())
+
+    module.register_forward_pre_hook(swap_in)
+    module.register_forward_hook(swap_out)
+
+
 class PrepareHiddenStates(_HiddenStatesHook):
     """Local hidden states (sequence-sharded when ``sequence_parallel``) -> replicated DTensor.
 
     Backward is then one reduce-scatter (SP) or one all-reduce for all the block's
-    colwise projections together.
+    colwise projections together. ``head_parameters`` (name, head dim) are the module's own
+    per-head parameters, split with the heads (:func:`shard_head_parameters`).
     """
 
-    def __init__(self, *, sequence_parallel: bool) -> None:
+    def __init__(self, *, sequence_parallel: bool, head_parameters: tuple[tuple[str, int], ...] = ()) -> None:
         self.layout: Placement = Shard(SEQUENCE_DIM) if sequence_parallel else Replicate()
+        self.head_parameters = head_parameters
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.head_parameters:
+            shard_head_parameters(module, device_mesh, self.head_parameters)
+        return super()._apply(module, device_mesh)
 
     def _convert(self, hidden: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         if isinstance(hidden, DTensor):

@@ -1,0 +1,81 @@
+"""gpt-oss (attention sinks, sliding-window layers) under tensor parallel: the per-head
+sinks split with their heads; a per-head parameter the planner does not know is refused at
+plan time; context parallel refuses the sliding-window layers naming the window.
+
+Parity: FSDP=2 x TP=2 with sequence parallel, 4 AdamW steps in float32 against one process
+(losses rtol 1e-5, first-step gradients rtol 1e-4 / atol 1e-6)."""
+
+import pytest
+import torch
+from distributed_jobs import BATCHES, TOLERANCES, facade_run, reference_run
+from torch import nn
+
+from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.model_facts import resolve_model_facts
+from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
+from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+from fsdp_turbo.distributed.context_parallel import resolve_cp_target
+from fsdp_turbo.distributed.tensor_parallel import resolve_tp_plan
+from fsdp_turbo.fsdp_turbo_config import TPPlanConfig
+
+pytest.importorskip("transformers")
+
+ATTENTION = {"colwise_parallel": ["*.q_proj", "*.k_proj", "*.v_proj"], "rowwise_parallel": ["*.o_proj"],
+             "sequence_parallel": ["*layernorm", "model.norm"]}
+
+
+def _resolve(model, tp=2):
+    return resolve_tp_plan(model, TPPlanConfig(**ATTENTION), tp, resolve_model_facts(model))
+
+
+def test_gpt_oss_sinks_split_with_their_heads():
+    plan = _resolve(tiny_hf_causal_lm("gpt_oss"))  # 4 query heads, 2 key/value heads
+    attention = dict(plan.styles)["model.layers.1.self_attn"]
+    assert attention.kind == "prepare_input" and attention.head_parameters == (("sinks", 0),)
+    assert plan.local_shape("model.layers.1.self_attn.sinks", (4,)) == (2,)
+    assert ("tp_plan (split with the heads)", ("model.layers.0.self_attn.sinks", "model.layers.1.self_attn.sinks")) \
+        in [(row.label, row.names) for row in plan.describe()]
+
+
+@pytest.mark.parametrize("shape,kind", [((4,), "per-head parameter"), ((3,), "parameter it holds itself")])
+def test_a_parameter_the_planner_does_not_know_is_refused_at_plan_time(shape, kind):
+    """Llama's attention with a parameter of its own (as gpt-oss's sinks, but unregistered):
+    a ConfigError naming it, not a shape error in the forward."""
+    model = tiny_hf_causal_lm("llama")
+    model.model.layers[1].self_attn.head_gate = nn.Parameter(torch.zeros(shape))
+    with pytest.raises(ConfigError, match="HEAD_PARAMETERS") as caught:
+        _resolve(model)
+    assert caught.value.field == "tp_plan.colwise_parallel"
+    assert caught.value.value == "model.layers.1.self_attn.head_gate"
+    assert kind in caught.value.reason and "LlamaAttention" in caught.value.reason
+
+
+def test_a_known_per_head_parameter_must_split_evenly():
+    # The heads split over tp=4 (8 query, 4 key/value); a sinks parameter of 6 does not.
+    model = tiny_hf_causal_lm("gpt_oss", num_attention_heads=8, num_key_value_heads=4)
+    model.model.layers[0].self_attn.sinks = nn.Parameter(torch.zeros(6))
+    with pytest.raises(ConfigError, match=r"model.layers.0.self_attn.sinks \(attention sinks\) has 6 heads"):
+        _resolve(model, tp=4)
+
+
+def test_context_parallel_names_the_sliding_window_and_its_value():
+    model = tiny_hf_causal_lm("gpt_oss", sliding_window=2)
+    with pytest.raises(ConfigError) as caught:
+        resolve_cp_target(model, None, resolve_model_facts(model))
+    error = caught.value
+    assert (error.field, error.value) == ("model.config.sliding_window", 2)
+    assert "model.config.sliding_window=2 is invalid" in str(error) and "context_parallel_size=1" in error.fix
+    assert "layers [0]" in error.reason and "window of 2 tokens" in error.reason
+
+
+@pytest.mark.multirank
+def test_gpt_oss_fsdp2_x_tp2_with_sequence_parallel():
+    """q/k/v colwise, o_proj rowwise, the norms sequence-parallel; the router and the biased
+    experts run replicated on each rank's tokens; the sinks split with the heads."""
+    config = {"fully_shard_parallel_size": 2, "tensor_parallel_size": 2, "tp_plan": ATTENTION}
+    expected = run_reference(reference_run, "gpt_oss", BATCHES, timeout=300)
+    results = run_distributed(facade_run, 4, "gpt_oss", BATCHES, config, None, None, True, timeout=300)
+    for record, facts in results:
+        assert_parity(expected, record, **TOLERANCES)
+        assert facts["dtensor"]["model.layers.0.self_attn.sinks"]
+        assert "Shard(dim=0)" in facts["placements"]["model.layers.0.self_attn.sinks"]
