@@ -76,9 +76,24 @@ class CPPlan(FeaturePlan):
         memory.tokens //= self.size  # each rank holds 1/cp of the sequence outside attention
 
 
-def _hf_sliding_layers(config: Any) -> bool:
+def _hf_sliding_layers(config: Any) -> list[int]:
+    """The indices of the layers the HF config declares sliding-window (``layer_types``)."""
     layer_types = getattr(config, "layer_types", None) or ()
-    return any("sliding" in str(t) for t in layer_types)
+    return [index for index, kind in enumerate(layer_types) if "sliding" in str(kind)]
+
+
+def _check_no_sliding_window(config: Any) -> None:
+    # The field named is the model's own: context_parallel_size is not known here (the
+    # caller checks the sizes), and the window is what CP cannot honour yet.
+    sliding = _hf_sliding_layers(config)
+    if sliding:
+        window = getattr(config, "sliding_window", None)
+        raise ConfigError("model.config.sliding_window", window,
+                          "use context_parallel_size=1 for this model (context parallel does not support "
+                          "sliding-window layers yet)",
+                          reason=f"layers {sliding} attend within a sliding window of {window} tokens "
+                                 "(model.config.layer_types), and the context-parallel wrapper builds full "
+                                 "causal masks only")
 
 
 def _check_ring_can_compute(config: Any, mode: str) -> None:
@@ -126,17 +141,17 @@ def resolve_cp_target(model: nn.Module, plan: CPPlanConfig | None, facts: ModelF
                           reason=f"{type(model).__name__} has no recognisable attention (no HF attn_implementation)")
     mode = plan.mode if plan is not None else "ulysses"
     if implementation not in HF_IMPLEMENTATIONS:
-        raise ConfigError("context_parallel_size" if mode == "ulysses" else "cp_plan.mode", implementation,
+        # Each field with its own value: the ring's mode, else the model's attention.
+        field_value = ("cp_plan.mode", mode) if mode != "ulysses" else ("model.config._attn_implementation",
+                                                                       implementation)
+        raise ConfigError(*field_value,
                           f"load the model with attn_implementation in {list(HF_IMPLEMENTATIONS)}",
                           reason=f"{'Ulysses' if mode == 'ulysses' else 'ring attention'} cannot take the place "
                                  f"of the {implementation!r} attention")
     if mode != "ulysses":
         _check_ring_can_compute(config, mode)
-    if _hf_sliding_layers(config):
-        raise ConfigError("context_parallel_size", getattr(config, "sliding_window", None),
-                          "use context_parallel_size=1 for models with sliding-window layers",
-                          reason="the Ulysses wrapper builds full causal masks only")
+    _check_no_sliding_window(config)
     if getattr(config, "is_encoder_decoder", False):
-        raise ConfigError("context_parallel_size", type(model).__name__, "use a decoder-only model",
+        raise ConfigError("model", type(model).__name__, "use a decoder-only model with context parallel",
                           reason="encoder-decoder models are not supported")
     return CPTarget(hf_implementation=implementation)
