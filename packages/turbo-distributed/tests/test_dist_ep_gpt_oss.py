@@ -52,11 +52,12 @@ def _routed_inputs(seed: int):
     return x, index, weights
 
 
-def _forward_backward(experts, x, index, weights) -> dict[str, torch.Tensor]:
+def _forward_backward(experts, x, index, weights, *, keywords: bool = True) -> dict[str, torch.Tensor]:
     x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
-    out = experts(x, router_indices=index, routing_weights=weights)  # gpt-oss's own keyword names
+    # gpt-oss's own keyword names (transformers' grouped_mm forward takes them positionally only)
+    out = experts(x, router_indices=index, routing_weights=weights) if keywords else experts(x, index, weights)
     (out * torch.linspace(-1.0, 1.0, HIDDEN)).sum().backward()
-    grads = {f"grad {n}": p.grad for n, p in experts.named_parameters()}
+    grads = {f"grad {n}": p.grad for n, p in experts.named_parameters() if p.requires_grad}
     return {"out": out.detach(), "grad x": x.grad, "grad weights": weights.grad, **grads}
 
 
@@ -135,3 +136,23 @@ def test_mx_training_names_what_gpt_oss_experts_lack():
     with pytest.raises(ConfigError, match="without biases") as error:
         plan_conversion(model, FSDPTurboConfig.from_dict(picked).quantization_plan, facts)
     assert error.value.field == "quantization_plan.apply_modules"
+
+
+def test_lora_on_gpt_oss_experts_matches_peft():
+    """PEFT LoRA on the transposed, biased experts (``target_parameters``): the dispatchers'
+    folded weights give PEFT's own output and adapter gradients (EP=1, one process)."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_hf_causal_lm("gpt_oss"), peft.LoraConfig(
+        r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        init_lora_weights=False))
+    experts = model.base_model.model.model.layers[0].mlp.experts
+    adapter = expert_adapter(experts)
+    assert type(adapter).__name__ == "LoraExperts" and adapter.transposed
+    x, index, weights = _routed_inputs(seed=2)
+    expected = _forward_backward(copy.deepcopy(experts), x, index, weights, keywords=False)
+    parallel = make_expert_parallel(copy.deepcopy(experts), ExpertGroup(adapter, EXPERTS, 1, None), 0, "fused")
+    got = _forward_backward(parallel, x, index, weights, keywords=False)
+    assert any("lora_A" in name for name in expected) and set(got) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6 * float(value.abs().max()),
+                                   msg=lambda m, n=name: f"{n}: {m}")
