@@ -166,6 +166,10 @@ def test_what_with_fsdp_turbo_takes(tmp_path):
         trainer_cls(model="tiny-llama", args=args, fsdp_turbo_config={})
     with pytest.raises(ConfigError, match=r"args=None.*pass args=TrainingArguments"):
         trainer_cls(model=tiny_hf_causal_lm("llama"), fsdp_turbo_config={})
+    model = tiny_hf_causal_lm("llama")  # an optimizer over the parameters FSDPTurbo would replace
+    with pytest.raises(ConfigError, match=r"optimizers='\(AdamW, ...\)'.*optimizer_cls_and_kwargs"):
+        trainer_cls(model=model, args=args, optimizers=(torch.optim.AdamW(model.parameters()), None),
+                    fsdp_turbo_config={})
 
 
 @pytest.mark.parametrize(("variable", "value", "expected"), [

@@ -8,6 +8,8 @@ only the global token mean (``num_items_in_batch``) gives the one-process loss.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
@@ -46,6 +48,14 @@ def training_arguments(output_dir: str, per_device: int, **overrides):
     return TrainingArguments(**{**fields, **overrides})
 
 
+def _as_a_plain_process() -> None:
+    """Drop the launcher's variables that ``run_reference`` sets for its one rank: with ``LOCAL_RANK`` set, accelerate
+    starts a one-rank gloo group on the default port 29500, which concurrent tests may hold. ``python script.py``
+    has none of them."""
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(variable, None)
+
+
 def _record_inputs(model) -> list[torch.Tensor]:
     """The input_ids of every forward, in order: which rows each step trained on."""
     seen: list[torch.Tensor] = []
@@ -63,6 +73,8 @@ def train(output_dir: str, per_device: int, config: dict | None, **overrides) ->
     ``with_fsdp_turbo``. Returns the logged losses and grad norms, and the rows each step saw."""
     from transformers import Trainer
 
+    if config is None:
+        _as_a_plain_process()
     model = tiny_hf_causal_lm("llama")
     seen = _record_inputs(model)
     args = training_arguments(output_dir, per_device, per_device_eval_batch_size=per_device, eval_strategy="steps",
@@ -123,6 +135,7 @@ def train_bf16_one_rank(output_dir: str) -> dict:
 
     from fsdp_turbo.integrations.transformers import with_fsdp_turbo
 
+    _as_a_plain_process()  # FSDPTurbo makes its own one-rank group (no port)
     model = tiny_hf_causal_lm("llama")
     output_dtypes: list[torch.dtype] = []
     model.register_forward_hook(lambda _module, _args, output: output_dtypes.append(output.logits.dtype))

@@ -187,7 +187,13 @@ def check_training_arguments(args: Any, config: FSDPTurboConfig) -> None:
     _check_data_layout(args, config)
 
 
-def _check_trainer_inputs(model: Any, args: Any, model_init: Any) -> None:
+def _check_trainer_inputs(model: Any, args: Any, model_init: Any, optimizers: Any) -> None:
+    if optimizers and optimizers[0] is not None:
+        raise ConfigError("optimizers", f"({type(optimizers[0]).__name__}, ...)",
+                          "let the Trainer build the optimizer (TrainingArguments.optim, learning_rate, ...), or "
+                          "pass optimizer_cls_and_kwargs=(cls, kwargs)",
+                          reason="an optimizer made before the Trainer holds the model's unsharded parameters, "
+                                 "which FSDPTurbo replaces with their shards")
     if model_init is not None:
         raise ConfigError("model_init", getattr(model_init, "__name__", model_init),
                           "build the model yourself and pass model=; it is sharded once, in the Trainer's __init__",
@@ -227,7 +233,8 @@ class FSDPTurboTrainerMixin:
         model, training_args = bound.arguments.get("model"), bound.arguments.get("args")
         config = load_config(fsdp_turbo_config)
         # every check before FSDPTurbo, whose meshes and fully_shard are the first collectives
-        _check_trainer_inputs(model, training_args, bound.arguments.get("model_init"))
+        _check_trainer_inputs(model, training_args, bound.arguments.get("model_init"),
+                              bound.arguments.get("optimizers"))
         check_training_arguments(training_args, config)
         bound.arguments["model"] = FSDPTurbo(config, model)
         self.fsdp_turbo_config = config
