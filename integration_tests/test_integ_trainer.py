@@ -111,8 +111,10 @@ REFUSED_ARGUMENTS = {
 
 
 @pytest.mark.parametrize("case", list(REFUSED_ARGUMENTS))
-def test_training_arguments_it_cannot_honour_are_refused(tmp_path, case):
+def test_training_arguments_it_cannot_honour_are_refused(tmp_path, monkeypatch, case):
     arguments, field, fix = REFUSED_ARGUMENTS[case]
+    # TrainingArguments(fsdp=...) writes this variable; set here, it is taken away again after the test
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
     with pytest.raises(ConfigError) as error:
         _construct(tmp_path, **arguments)
     assert error.value.field.startswith(field), error.value
