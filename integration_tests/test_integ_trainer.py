@@ -100,8 +100,9 @@ def _construct(tmp_path, config=None, **arguments):
 REFUSED_ARGUMENTS = {
     "gradient_checkpointing": ({"gradient_checkpointing": True}, "TrainingArguments.gradient_checkpointing",
                                "recompute=True"),
-    "activation_checkpointing": ({"activation_checkpointing": True}, "TrainingArguments.",
-                                 "recompute=True"),
+    # transformers sets gradient_checkpointing too, the field named first; the fix names both
+    "activation_checkpointing": ({"activation_checkpointing": True}, "TrainingArguments.gradient_checkpointing",
+                                 "activation_checkpointing=False) and turn on the FSDPTurbo config's recompute=True"),
     "torch_compile": ({"torch_compile": True}, "TrainingArguments.torch_compile", "compile=True"),
     "fsdp": ({"fsdp": "full_shard"}, "TrainingArguments.fsdp", "drop fsdp"),
     "bf16 without param_dtype": ({"bf16": True}, "TrainingArguments.bf16", "fsdp_plan.param_dtype='bfloat16'"),
