@@ -9,7 +9,8 @@ from bad_inputs import CASES, prepare_checkpoints, run_cases
 from fsdp_turbo.core.testing import run_distributed
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.multirank
+# one worker runs the whole module, so its module fixtures (launched runs) are built once
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("integ_bad_inputs")]
 WORLD = 4
 
 

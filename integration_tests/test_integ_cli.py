@@ -17,7 +17,8 @@ import yaml
 
 pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
-pytestmark = pytest.mark.multirank
+# one worker runs the whole module, so its module fixtures (launched runs) are built once
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("integ_cli")]
 
 JOB = {
     "model": {"config": {

@@ -11,7 +11,8 @@ import yaml
 from test_integ_cli import TIMING, assert_same_weights, checkpoint, fsdp_turbo, metrics, train, weights
 
 pytest.importorskip("datasets")
-pytestmark = pytest.mark.multirank
+# one worker runs the whole module, so its module fixtures (launched runs) are built once
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("integ_cli_data")]
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sft_tiny"
 MICRO_BATCH = 2
 

@@ -19,7 +19,8 @@ from test_integ_cli import assert_same_weights, checkpoint, metrics, train
 
 pytest.importorskip("peft")
 safetensors = pytest.importorskip("safetensors.torch")
-pytestmark = pytest.mark.multirank
+# one worker runs the whole module, so its module fixtures (launched runs) are built once
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("integ_cli_lora")]
 
 PROJECTIONS = ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.gate_proj", "*.up_proj", "*.down_proj"]
 JOB = {

@@ -19,7 +19,8 @@ from fsdp_turbo.cli import faults
 from fsdp_turbo.core.errors import ConfigError
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.multirank
+# one worker runs the whole module, so its module fixtures (launched runs) are built once
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("integ_cli_trust")]
 
 JOB = {
     "model": {"config": {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,

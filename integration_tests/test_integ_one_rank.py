@@ -8,7 +8,8 @@ from one_rank_failures import CASES, WORLD, prepare_data, run_cases
 from fsdp_turbo.core.testing import run_distributed
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.multirank
+# one worker runs the whole module, so its module fixtures (launched runs) are built once
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("integ_one_rank")]
 
 
 @pytest.fixture(scope="module")

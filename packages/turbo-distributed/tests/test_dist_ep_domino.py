@@ -23,7 +23,8 @@ from ep_jobs import dispatcher_records_run, domino_two_rank_run, merge_rank_grad
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.multirank
+# one worker runs the whole module, so its module fixtures (launched runs) are built once
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("dist_ep_domino")]
 
 TOL = {"loss_rtol": 1e-5, "grad_rtol": 1e-4, "grad_atol": 1e-6}
 ROUNDING = {"loss_rtol": 1e-6, "grad_rtol": 1e-5, "grad_atol": 1e-7}
