@@ -38,14 +38,17 @@ M = TypeVar("M", bound=nn.Module)
 _log = get_logger(__name__)
 
 
-def _as_config(config: FSDPTurboConfig | Mapping[str, Any] | str | Path) -> FSDPTurboConfig:
+def as_config(config: FSDPTurboConfig | Mapping[str, Any] | str | Path, field: str = "config") -> FSDPTurboConfig:
+    """A config as ``FSDPTurbo`` takes it: a config, a dict of its fields, or a YAML/TOML path.
+    ``field`` names the argument in the error for anything else."""
     if isinstance(config, FSDPTurboConfig):
         return config
     if isinstance(config, Mapping):
         return FSDPTurboConfig.from_dict(dict(config))
     if isinstance(config, str | Path):
         return FSDPTurboConfig.from_file(config)
-    raise ConfigError("config", type(config).__name__, "pass an FSDPTurboConfig, a dict, or a YAML/TOML path")
+    raise ConfigError(field, config if config is None else type(config).__name__,
+                      f"pass {field}=FSDPTurboConfig(...), a dict of its fields, or the path of a YAML/TOML config")
 
 
 def _world_and_rank() -> tuple[int, int]:
@@ -119,7 +122,7 @@ def FSDPTurbo(config: FSDPTurboConfig | Mapping[str, Any] | str | Path, model: M
     Runs in a plain single process when every size is 1; under ``torchrun`` it
     initialises the process group itself if the caller has not.
     """
-    config = _as_config(config)
+    config = as_config(config)
     if isinstance(getattr(model, "parallel_state", None), ParallelState):
         raise ConfigError("model", type(model).__name__, "pass the original model once; FSDPTurbo applies in place",
                           reason="this model has already been through FSDPTurbo")

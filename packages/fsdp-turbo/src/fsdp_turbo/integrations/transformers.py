@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.fsdp_turbo import FSDPTurbo
+from fsdp_turbo.fsdp_turbo import FSDPTurbo, as_config
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
 try:  # transformers is a dependency of the fsdp-turbo package (not of turbo-core); its Trainer needs accelerate
@@ -65,14 +65,7 @@ ConfigLike = FSDPTurboConfig | Mapping[str, Any] | str | Path
 def load_config(value: ConfigLike | None) -> FSDPTurboConfig:
     """The ``fsdp_turbo_config=`` keyword as a config: a config, a dict of its fields, or a YAML/TOML path
     (read as ``FSDPTurbo`` reads them)."""
-    if isinstance(value, FSDPTurboConfig):
-        return value
-    if isinstance(value, Mapping):
-        return FSDPTurboConfig.from_dict(dict(value))
-    if isinstance(value, str | Path):
-        return FSDPTurboConfig.from_file(value)
-    raise ConfigError("fsdp_turbo_config", value, "pass fsdp_turbo_config=FSDPTurboConfig(...), a dict of its "
-                      "fields, or the path of a YAML/TOML config")
+    return as_config(value, field="fsdp_turbo_config")
 
 
 # ----- refusals: what the Trainer would do beside FSDPTurbo -------------------------------------

@@ -125,6 +125,17 @@ def fused_experts_form(module: nn.Module) -> FusedExpertsForm | None:
     return FusedExpertsForm(experts, hidden, inter, transposed, has_bias)
 
 
+def expert_gate(module: nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
+    """A fused experts module's gate on its ``gate_up`` GEMM's output: the module's own
+    ``_apply_gate`` (HF's experts decorator adds one; gpt-oss's interleaves and clamps), else
+    ``act_fn(gate) * up`` over the two halves. Every computation of the experts uses this one."""
+    apply_gate = getattr(module, "_apply_gate", None)
+    if callable(apply_gate):
+        return apply_gate(gate_up_out)
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
+
+
 def is_tuner_layer(module: nn.Module) -> bool:
     """A PEFT tuner layer (LoRA's and the others'), by shape, so that no package imports peft
     to ask: it holds the module it replaced as ``base_layer``."""

@@ -29,7 +29,7 @@ from torch import nn
 
 from fsdp_turbo.core.grouped_mm import grouped_linear
 from fsdp_turbo.core.logging import get_logger, warn_once
-from fsdp_turbo.core.model_inspect import fused_experts_form, has_router_forward, local_tensor
+from fsdp_turbo.core.model_inspect import expert_gate, fused_experts_form, has_router_forward, local_tensor
 from fsdp_turbo.core.ops import call_op
 from fsdp_turbo.distributed.expert_parallel.forms import (
     ExpertAdapter,
@@ -92,14 +92,6 @@ class FusedExperts(ExpertAdapter):
         biases = [getattr(experts, n, None) for n in ("gate_up_proj_bias", "down_proj_bias")]
         return gate_up, down, *[local_tensor(b) if isinstance(b, torch.Tensor) else None for b in biases]
 
-    @staticmethod
-    def _gate(module: nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
-        apply_gate = getattr(module, "_apply_gate", None)
-        if callable(apply_gate):
-            return apply_gate(gate_up_out)
-        gate, up = gate_up_out.chunk(2, dim=-1)
-        return module.act_fn(gate) * up
-
     def eager(self, module: nn.Module, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         experts = self.experts_module(module)
         if is_quantized(experts):  # MX experts only come as grouped GEMMs
@@ -110,7 +102,7 @@ class FusedExperts(ExpertAdapter):
 
         def run(e: int, rows: torch.Tensor) -> torch.Tensor:
             h = F.linear(rows, gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
-            return F.linear(self._gate(experts, h), down[e], None if down_bias is None else down_bias[e])
+            return F.linear(expert_gate(experts, h), down[e], None if down_bias is None else down_bias[e])
 
         return loop_over_experts(x, expert, gate_up.shape[0], run)
 
@@ -127,7 +119,7 @@ class FusedExperts(ExpertAdapter):
             return bias.repeat_interleave(group_sizes, dim=0, output_size=x.shape[0])
 
         h = grouped_linear(x, gate_up.to(x.dtype), offsets) + bias_rows(gate_up_bias)
-        return grouped_linear(self._gate(experts, h), down.to(x.dtype), offsets) + bias_rows(down_bias)
+        return grouped_linear(expert_gate(experts, h), down.to(x.dtype), offsets) + bias_rows(down_bias)
 
 
 def _expert_list(module: nn.Module) -> nn.ModuleList | None:

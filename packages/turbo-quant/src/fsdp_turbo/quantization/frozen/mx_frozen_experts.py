@@ -34,7 +34,7 @@ from torch import nn
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.grouped_mm import grouped_linear
 from fsdp_turbo.core.mixin import mix_in
-from fsdp_turbo.core.model_inspect import fused_experts_form, is_dtensor, local_tensor
+from fsdp_turbo.core.model_inspect import expert_gate, fused_experts_form, is_dtensor, local_tensor
 from fsdp_turbo.core.ops import call_op, register_op
 from fsdp_turbo.quantization.frozen.mx_frozen_linear import MXPackedRows, packed_width
 from fsdp_turbo.quantization.training.recipe import MXRecipe
@@ -104,14 +104,6 @@ class _FrozenGroupedLinear(torch.autograd.Function):
         return grouped_linear(grad_out.contiguous(), weight.transpose(1, 2), offsets), None, None, None
 
 
-def _gate(module: nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
-    apply_gate = getattr(module, "_apply_gate", None)
-    if callable(apply_gate):
-        return apply_gate(gate_up_out)
-    gate, up = gate_up_out.chunk(2, dim=-1)
-    return module.act_fn(gate) * up
-
-
 @register_op(FROZEN_EXPERTS_OP)
 def frozen_experts_grouped(module: nn.Module, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """Frozen MX experts on expert-major rows: ``x [M, H]`` with ``group_sizes[e]`` rows for local
@@ -120,7 +112,7 @@ def frozen_experts_grouped(module: nn.Module, x: torch.Tensor, group_sizes: torc
     offsets = torch.cumsum(group_sizes, 0)
     forms = module.stored_forms
     gate_up = _FrozenGroupedLinear.apply(x, local_tensor(module.gate_up_proj), offsets, forms["gate_up_proj"])
-    return _FrozenGroupedLinear.apply(_gate(module, gate_up), local_tensor(module.down_proj), offsets,
+    return _FrozenGroupedLinear.apply(expert_gate(module, gate_up), local_tensor(module.down_proj), offsets,
                                       forms["down_proj"])
 
 
