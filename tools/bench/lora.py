@@ -39,10 +39,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-from report import paired_ratio, result
+from report import paired_ratio, result, timed_step
 
 WORLD = 4
 WARMUP = 2
@@ -128,18 +127,6 @@ def memtracker_bytes(ids: torch.Tensor) -> int:
     return sum(snapshot.get(f"_MemRefType.{kind}", 0) for kind in KINDS)
 
 
-def _timed_step(model, optimizer, ids: torch.Tensor) -> float:
-    import torch.distributed as dist
-
-    dist.barrier()
-    started = time.perf_counter()
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    dist.barrier()
-    return time.perf_counter() - started
-
-
 def step_times(ids: torch.Tensor, steps: int) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Timed steps of the three models in turn, the order rotating each step (fresh models, untouched
     by MemTracker), and their first loss."""
@@ -149,7 +136,7 @@ def step_times(ids: torch.Tensor, steps: int) -> tuple[dict[str, list[float]], d
     times = {kind: [] for kind in SETUPS}
     for step in range(WARMUP + steps):
         for kind in SETUPS[step % 3:] + SETUPS[:step % 3]:
-            elapsed = _timed_step(*setups[kind], ids)
+            elapsed = timed_step(*setups[kind], ids)
             if step >= WARMUP:
                 times[kind].append(elapsed)
     return times, losses

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-from report import paired_ratio, result
+from report import paired_ratio, result, timed_step
 
 WARMUP = 3
 MODEL = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
@@ -67,18 +66,6 @@ def hand_written(model, layout: str):
     return model
 
 
-def _timed_step(model, optimizer, tokens) -> float:
-    import torch.distributed as dist
-
-    dist.barrier()
-    started = time.perf_counter()
-    model(input_ids=tokens, labels=tokens).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    dist.barrier()
-    return time.perf_counter() - started
-
-
 def rank_main(layout: str, steps: int, rows: int, seq_len: int):
     from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
@@ -92,7 +79,7 @@ def rank_main(layout: str, steps: int, rows: int, seq_len: int):
     for step in range(WARMUP + steps):
         order = ("ours", "theirs") if step % 2 == 0 else ("theirs", "ours")
         for name in order:
-            elapsed = _timed_step(models[name], optimizers[name], tokens)
+            elapsed = timed_step(models[name], optimizers[name], tokens)
             if step >= WARMUP:
                 times[name].append(elapsed)
     return times, losses
