@@ -28,14 +28,7 @@ FEATURE_PACKAGES = {
 ALL_PACKAGES = ("turbo-core", "turbo-distributed", "turbo-memory", "turbo-quant", "fsdp-turbo")
 # loadgroup: a module marked xdist_group runs on one worker (its module fixtures are built once)
 # --durations: the slowest tests in every CI log, to keep CI inside its time
-def _pytest(workers: int) -> tuple[str, ...]:
-    return ("pytest", "-n", str(workers), "--dist", "loadgroup", "--timeout", "900", "--durations", "15")
-
-
-PYTEST = _pytest(2)
-# The integration tests spend much of their time waiting (torchrun launches and rendezvous, agents
-# restarting, fail-fast timeouts) rather than computing: a third worker fills that time on 2 cores.
-INTEGRATION_PYTEST = _pytest(3)
+PYTEST = ("pytest", "-n", "2", "--dist", "loadgroup", "--timeout", "900", "--durations", "15")
 
 # quant_triton's tests run at the end of the quant session (one environment fewer).
 nox.options.sessions = ["lint", "build", "core", *FEATURE_PACKAGES, "integration", "peers"]
@@ -133,7 +126,7 @@ def integration(session: nox.Session) -> None:
     """Every package together: integration_tests/ (multi-package, torchrun)."""
     _install(session, *(_package(n) for n in ALL_PACKAGES), _package("turbo-core", "[test]"),
              _package("fsdp-turbo", "[peft]"))
-    session.run(*INTEGRATION_PYTEST, "integration_tests", *session.posargs)
+    session.run(*PYTEST, "integration_tests", *session.posargs)
 
 
 @nox.session
