@@ -83,9 +83,10 @@ def _tp_layouts() -> dict[str, tuple[list[str], dict]]:
 TP_LAYOUTS = _tp_layouts()
 
 
-def over_quantized_bases(model, plan: dict):
-    """``model`` (PEFT) with each LoRA layer's frozen base weight replaced by the values QLoRA-MX
-    computes with: the whole weight quantized by ``frozen_weight_values``, then dequantized."""
+def over_quantized_bases(model, plan: dict, suffix: str = "_proj.base_layer"):
+    """``model`` with the weight of each module whose name ends in ``suffix`` (a PEFT model's LoRA
+    bases by default) replaced by the values QLoRA-MX computes with: the whole weight quantized by
+    ``frozen_weight_values``, then dequantized."""
     from fsdp_turbo.fsdp_turbo_config import QuantizeConfig
     from fsdp_turbo.quantization.frozen import frozen_weight_values
     from fsdp_turbo.quantization.training.recipe import MXRecipe
@@ -93,7 +94,7 @@ def over_quantized_bases(model, plan: dict):
     recipe = MXRecipe.from_config(QuantizeConfig(**plan))
     with torch.no_grad():
         for name, module in model.named_modules():
-            if name.endswith("_proj.base_layer"):
+            if name.endswith(suffix):
                 module.weight.copy_(frozen_weight_values(module.weight, recipe))
     return model
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from peft_jobs import over_quantized_bases
 from test_integ_cli import assert_same_weights, checkpoint, metrics, train
 
 pytest.importorskip("peft")
@@ -66,17 +67,7 @@ def _job_base(job: dict) -> torch.nn.Module:
 
     base = init_weights(build_model(JobConfig.from_dict(job).model), seed=job["run"]["seed"])
     plan = job["turbo"].get("quantization_plan")
-    if plan is not None:
-        from fsdp_turbo.fsdp_turbo_config import QuantizeConfig
-        from fsdp_turbo.quantization.frozen import frozen_weight_values
-        from fsdp_turbo.quantization.training.recipe import MXRecipe
-
-        recipe = MXRecipe.from_config(QuantizeConfig(**plan))
-        with torch.no_grad():
-            for name, module in base.named_modules():
-                if name.endswith("_proj"):
-                    module.weight.copy_(frozen_weight_values(module.weight, recipe))
-    return base
+    return base if plan is None else over_quantized_bases(base, plan, suffix="_proj")
 
 
 def test_lora_job_writes_an_adapter_a_merged_model_and_adapter_only_checkpoints(reference, job_file):
