@@ -47,12 +47,23 @@ TINY_QWEN3_NEXT_DEFAULTS: dict[str, Any] = {
     "linear_conv_kernel_dim": 4,
 }
 
+# Qwen3.5 (text): Gated DeltaNet with separate q/k/v, z, b, a projections, every other layer
+# (full_attention_interval 2); dense, or MoE with a shared expert in every layer.
+TINY_QWEN3_5_DEFAULTS: dict[str, Any] = {
+    "full_attention_interval": 2, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
+TINY_QWEN3_5_MOE_DEFAULTS: dict[str, Any] = {
+    **TINY_QWEN3_5_DEFAULTS, **TINY_MOE_DEFAULTS, "shared_expert_intermediate_size": 32}
+
 
 def tiny_hf_causal_lm(kind: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32,
                       device: str | torch.device | None = None, **overrides: Any) -> nn.Module:
     """A tiny ``LlamaForCausalLM``, ``Qwen3ForCausalLM``, or MoE model with 8 experts, top-2:
     ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``,
-    ``DeepseekV3ForCausalLM``, ``GptOssForCausalLM`` or ``Qwen3NextForCausalLM``; the same seed
+    ``DeepseekV3ForCausalLM``, ``GptOssForCausalLM``, ``Qwen3NextForCausalLM`` or
+    ``Qwen3_5MoeForCausalLM``; or the dense ``Qwen3_5ForCausalLM``; the same seed
     gives the same weights. ``device="meta"``
     builds it with no storage (for ``fsdp_turbo.checkpoint``)."""
     import transformers
@@ -66,6 +77,9 @@ def tiny_hf_causal_lm(kind: str = "llama", *, seed: int = 0, dtype: torch.dtype 
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, TINY_DEEPSEEK_V3_DEFAULTS),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, TINY_GPT_OSS_DEFAULTS),
         "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, TINY_QWEN3_NEXT_DEFAULTS),
+        "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, TINY_QWEN3_5_DEFAULTS),
+        "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM,
+                        TINY_QWEN3_5_MOE_DEFAULTS),
     }
     if kind not in classes:
         raise ValueError(f"unknown tiny model {kind!r}; use one of {sorted(classes)}")

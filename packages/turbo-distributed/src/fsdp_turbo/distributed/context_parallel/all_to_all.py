@@ -35,3 +35,11 @@ def heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> tor
     chunks = x.reshape(batch, cp, seq // cp, heads, dim).transpose(0, 1)  # [cp, B, S/cp, H/cp, D]
     received = _exchange(chunks, group)  # [cp (head group), B, S/cp, H/cp, D]
     return received.permute(1, 2, 0, 3, 4).reshape(batch, seq // cp, cp * heads, dim)
+
+
+def sequence_to_channels(x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
+    """``[B, S/cp, cp, F]`` (my sequence chunk; along dim 2 what each rank gets) ->
+    ``[B, S, F]`` (what I got from every rank, in sequence order)."""
+    batch, seq, _, features = x.shape
+    received = _exchange(x.permute(2, 0, 1, 3), group)  # [cp (sequence chunk), B, S/cp, F]
+    return received.permute(1, 0, 2, 3).reshape(batch, cp * seq, features)

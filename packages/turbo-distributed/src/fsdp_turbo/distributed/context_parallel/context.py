@@ -15,6 +15,7 @@ class ForwardContext:
     padding_mask: torch.Tensor | None = None  # [B, seq_len] bool, True = a real token, or None
     documents: torch.Tensor | None = None  # [B, seq_len] packed-document index of each token, or None
     attention_calls: int = 0  # how many attention layers ran through the Ulysses wrapper
+    linear_calls: int = 0  # how many linear-attention layers ran through theirs
     # ring / hybrid: the global positions (in the padded sequence) of each ring member's tokens
     ring_positions: list[torch.Tensor] | None = None
     ring_tiles: list | None = None  # per source rank, its Tiles: built by the first attention layer, reused
@@ -29,6 +30,7 @@ class CPState:
     rank: int
     current: ForwardContext | None = field(default=None)
     attention_layers: int = 0  # the wrapper must run this many times a forward (0: not checked)
+    linear_layers: int = 0  # the linear-attention forward must run this many times a forward
     mode: str = "ulysses"  # "ring" or "hybrid"
     load_balance: bool = True  # ring / hybrid: zig-zag chunks over the ring
     # The two halves of CP rank ``ring_rank * ulysses_size + ulysses_rank``: the Ulysses

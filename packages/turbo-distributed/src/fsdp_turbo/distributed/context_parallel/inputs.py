@@ -155,6 +155,14 @@ def _refuse_attention_weights(module: torch.nn.Module, kwargs: dict[str, Any]) -
                           reason="each rank would return attention weights of its head shard only")
 
 
+def _refuse_past_key_values(kwargs: dict[str, Any]) -> None:
+    past = kwargs.get("past_key_values")
+    if past is not None:
+        raise ConfigError("past_key_values", type(past).__name__, "call the model without past_key_values under "
+                          "context parallel (or with context_parallel_size=1)",
+                          reason="a cache continues one whole sequence, and each CP rank holds a chunk of it")
+
+
 def _prove_the_wrapper_ran(state: CPState) -> None:
     # A model that imported its attention function by name (``from x import f``) keeps the
     # original when CP replaces ``x.f``: its attention would then see only the local chunk.
@@ -165,6 +173,11 @@ def _prove_the_wrapper_ran(state: CPState) -> None:
                           "imported it, e.g. 'my_model.layers.attention'), or use an HF attn_implementation",
                           reason=f"the Ulysses wrapper ran in {calls} of {state.attention_layers} attention layers, "
                                  "so attention would cover only this rank's chunk")
+    linear = state.current.linear_calls if state.current is not None else 0
+    if linear < state.linear_layers:
+        raise ConfigError("context_parallel_size", state.size, "use context_parallel_size=1 for this model",
+                          reason=f"the linear-attention forward ran in {linear} of {state.linear_layers} layers "
+                                 "(something replaced it), so they would cover only this rank's chunk")
     state.proven = True
 
 
@@ -193,6 +206,7 @@ def install_input_splitter(model: torch.nn.Module, state: CPState, names: InputN
     def hook(module, args, kwargs):
         kwargs = _by_name(signature, args, kwargs)
         _refuse_attention_weights(module, kwargs)
+        _refuse_past_key_values(kwargs)
         return (), split_inputs(state, kwargs, names, pending_loss_request(module))
 
     def check(module, args, output):

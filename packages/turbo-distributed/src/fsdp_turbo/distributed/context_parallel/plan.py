@@ -12,6 +12,7 @@ from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.model_facts import ModelFacts, import_attention_function
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow
 from fsdp_turbo.distributed.context_parallel.inputs import InputNames
+from fsdp_turbo.distributed.context_parallel.linear_attention import LinearAttentionLayer
 from fsdp_turbo.fsdp_turbo_config import CPPlanConfig
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class CPPlan(FeaturePlan):
     load_balance: bool = True  # ring / hybrid: zig-zag chunks
     ulysses_size: int = 0  # hybrid: the Ulysses ranks inside each ring member
     inputs: InputNames = field(default_factory=InputNames)  # the forward arguments split, and given positions
+    linear_layers: tuple[LinearAttentionLayer, ...] = ()  # run by Ulysses' linear-attention forward
 
     def describe(self) -> tuple[PlanRow, ...]:
         chunks = "zig-zag chunks" if self.load_balance else "contiguous chunks"
@@ -67,6 +69,10 @@ class CPPlan(FeaturePlan):
         else:
             how = self.target.describe()
         rows = [PlanRow("cp_plan (attention)", (how,))]
+        if self.linear_layers:
+            first = self.linear_layers[0]
+            more = f" (and {len(self.linear_layers) - 1} more)" if len(self.linear_layers) > 1 else ""
+            rows.append(PlanRow("cp_plan (linear attention)", (f"Ulysses on {first.name}{more}: {first.form.form}",)))
         if self.inputs != InputNames():
             rows.append(PlanRow("cp_plan (inputs)", (f"splits '{self.inputs.tokens}', passes each rank's "
                                                      f"positions as '{self.inputs.positions}'",)))

@@ -18,6 +18,13 @@ from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Plans, Stage, Transform
 from fsdp_turbo.distributed.context_parallel.context import CPState
 from fsdp_turbo.distributed.context_parallel.inputs import InputNames, install_input_splitter
+from fsdp_turbo.distributed.context_parallel.linear_attention import (
+    LinearAttentionLayer,
+    check_linear_heads,
+    find_linear_attention,
+    install_linear_attention,
+    refuse_ring,
+)
 from fsdp_turbo.distributed.context_parallel.loss import install_loss_sum
 from fsdp_turbo.distributed.context_parallel.plan import CPPlan, CPTarget, check_head_split, resolve_cp_target
 from fsdp_turbo.distributed.context_parallel.ring import ring_core, ring_hf_attention, ring_sdpa
@@ -90,13 +97,15 @@ def apply_cp_plan(model: nn.Module, plan: CPPlan, cp_mesh, cp_groups: list[list[
         extra = {"ulysses_group": ulysses_group, "ulysses_size": plan.ulysses_size, "ring_group": ring_group,
                  "ring_size": plan.size // plan.ulysses_size, "ring_rank": rank // plan.ulysses_size}
     state = CPState(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(),
-                    attention_layers=plan.attention_layers, mode=plan.mode, load_balance=plan.load_balance, **extra)
+                    attention_layers=plan.attention_layers, mode=plan.mode, load_balance=plan.load_balance,
+                    linear_layers=len(plan.linear_layers), **extra)
     if target.hf_implementation:
         where = _install_hf(model, state, target.hf_implementation)
     elif target.module_names:
         where = _install_modules(model, target, state)
     else:
         where = _install_function(target, state)
+    install_linear_attention(model, plan.linear_layers, state)
     install_input_splitter(model, state, plan.inputs)
     install_loss_sum(model, state.group, state.size)
     model.context_parallel_state = state
@@ -112,19 +121,41 @@ def plan_context_parallel(model: nn.Module, plan: CPPlanConfig | None, size: int
     """What CP over ``size`` ranks (beside ``tp`` tensor-parallel ones) would wrap; raises
     ``ConfigError``, never communicates."""
     plan = plan or CPPlanConfig()
+    linear = find_linear_attention(model)
+    refuse_ring(linear, plan.mode)  # first: no other fix helps a ring here
+    _check_linear_attention(model, linear, size, tp)
     if plan.mode == "hybrid" and (size % plan.ulysses_size or plan.ulysses_size >= size):
         raise ConfigError("cp_plan.ulysses_size", plan.ulysses_size,
                           f"use a divisor of context_parallel_size={size} below it (2 .. {size // 2})",
                           reason="hybrid runs Ulysses over ulysses_size ranks inside a ring of the rest")
     check_head_split(facts, size, tp, plan)
     target = resolve_cp_target(model, plan, facts)
-    # Named attention modules each run once a forward; otherwise every repeated block
-    # (decoder layer) has one attention the wrapper must run in, a model without such
-    # blocks at least one.
-    layers = target.layers or len(facts.blocks) or 1
-    return CPPlan(size, target, layers, mode=plan.mode, load_balance=plan.load_balance,
-                  ulysses_size=plan.ulysses_size or 0,
-                  inputs=InputNames(facts.token_input, facts.position_input, facts.ignore_index))
+    return CPPlan(size, target, _attention_layers(target, facts, linear), mode=plan.mode,
+                  load_balance=plan.load_balance, ulysses_size=plan.ulysses_size or 0,
+                  inputs=InputNames(facts.token_input, facts.position_input, facts.ignore_index), linear_layers=linear)
+
+
+def _check_linear_attention(model: nn.Module, linear: tuple[LinearAttentionLayer, ...], size: int, tp: int) -> None:
+    if not linear:
+        return
+    if tp > 1:
+        raise ConfigError("tensor_parallel_size", tp, "use tensor_parallel_size=1 with context parallel on this model",
+                          reason=f"context parallel runs {linear[0].name} ({len(linear)} linear-attention layers) "
+                                 "on whole projections, and tensor parallel would split them")
+    check_linear_heads(model, linear, size)
+
+
+def _attention_layers(target: CPTarget, facts: ModelFacts, linear: tuple[LinearAttentionLayer, ...]) -> int:
+    """How many softmax attentions the wrapper must run in each forward (0: unchecked).
+    Named attention modules each run once; otherwise every repeated block (decoder layer)
+    has one, except the blocks whose token mixer is a linear attention; a model without
+    such blocks at least one."""
+    if target.layers:
+        return target.layers
+    if not facts.blocks:
+        return 1
+    linear_blocks = [b for b in facts.blocks if any(layer.name.startswith(b + ".") for layer in linear)]
+    return len(facts.blocks) - len(linear_blocks)
 
 
 def apply_context_parallel(model: nn.Module, plan: CPPlanConfig | None, cp_mesh,
