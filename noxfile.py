@@ -125,7 +125,7 @@ def quant_triton(session: nox.Session) -> None:
 def integration(session: nox.Session) -> None:
     """Every package together: integration_tests/ (multi-package, torchrun)."""
     _install(session, *(_package(n) for n in ALL_PACKAGES), _package("turbo-core", "[test]"),
-             _package("fsdp-turbo", "[peft]"))
+             _package("fsdp-turbo", "[peft,trl]"))
     session.run(*PYTEST, "integration_tests", *session.posargs)
 
 
@@ -169,3 +169,11 @@ def demo_sft(session: nox.Session) -> None:
     session.run("fsdp-turbo", "data", "examples/sft_tiny.yaml", "--show", "2", "--output-dir", str(ROOT / "sft_output"))
     session.run("fsdp-turbo", "train", "examples/sft_tiny.yaml", "--nproc-per-node", "4",
                 "--output-dir", str(ROOT / "sft_output"), "--resume", "none", *session.posargs)
+
+
+@nox.session
+def demo_trl(session: nox.Session) -> None:
+    """TRL's SFTTrainer on FSDPTurbo: `torchrun --nproc-per-node 4 examples/trl_sft.py`, a plain TRL script with two
+    added lines, on 4 CPU ranks (CP=2 x FSDP=2 with EP=2)."""
+    _install(session, _package("fsdp-turbo", "[trl]"), *(_package(n) for n in ALL_PACKAGES[:-1]))
+    session.run("torchrun", "--nproc-per-node", "4", str(ROOT / "examples" / "trl_sft.py"), *session.posargs)

@@ -14,13 +14,14 @@ import math
 import pytest
 import torch
 from trainer_jobs import (
+    LAYOUTS,
     PER_RANK,
     STEPS,
     WORLD,
     token_dataset,
     train,
     train_bf16_one_rank,
-    train_fsdp4,
+    train_layouts,
     training_arguments,
 )
 
@@ -33,47 +34,68 @@ from fsdp_turbo.integrations.transformers import with_fsdp_turbo  # noqa: E402 -
 
 
 @pytest.mark.multirank
-def test_trainer_at_fsdp4_matches_the_one_process_trainer(tmp_path):
+def test_trainer_at_every_layout_matches_the_one_process_trainer(tmp_path):
     reference = run_reference(train, str(tmp_path / "one"), PER_RANK * WORLD, None, timeout=300)
-    runs = run_distributed(train_fsdp4, WORLD, str(tmp_path), timeout=300)
+    ranks = run_distributed(train_layouts, WORLD, str(tmp_path), timeout=600)
     assert len(reference["loss"]) == len(reference["grad_norm"]) == STEPS
-    _assert_matches(reference, [run["plain"] for run in runs])
-    # with gradient accumulation (2 micro-batches of 1 row a rank): the same steps
-    _assert_matches(reference, [run["accumulated"] for run in runs])
-    _assert_same_saved_model(tmp_path / "fsdp4" / "model", tmp_path / "one" / "model")
-    for run in runs:  # every rank refuses CP (its peers would need one batch), itself, before sharding
-        refusal = run["cp_refusal"]
-        assert refusal.startswith("context_parallel_size=2 is invalid"), refusal
-        assert "Fix: set context_parallel_size=1" in refusal, refusal
+    for name in LAYOUTS:  # FSDP=4, with accumulation, FSDP2 x TP2 (SP, loss parallel), CP2 x FSDP2
+        _assert_matches(reference, [run[name] for run in ranks], name)
+        _assert_same_saved_model(tmp_path / name / "model", tmp_path / "one" / "model")
+    # save_steps=2: DCP-sharded checkpoints beside the Trainer's own files
+    assert ranks[0]["fsdp4"]["saved"] == ["checkpoint-2", "checkpoint-4"]
+    checkpoint = tmp_path / "fsdp4" / "checkpoint-2"
+    assert {"fsdp_turbo_state", "scheduler.pt", "trainer_state.json", "rng_state_3.pth"} <= {
+        p.name for p in checkpoint.iterdir()}
+    assert not list(checkpoint.glob("*.safetensors"))  # the model is in the sharded state, with its optimizer
+    # resumed at the same layout: steps 3 and 4 and the final model, bit-identical
+    for run in ranks:
+        resumed, whole = run["resumed"], run["fsdp4"]
+        assert resumed["loss"] == whole["loss"] and resumed["grad_norm"] == whole["grad_norm"]
+        # it trained steps 3 and 4 only, on their rows
+        assert all(torch.equal(a, b) for a, b in zip(resumed["inputs"], whole["inputs"][2:], strict=True))
+    _assert_same_saved_model(tmp_path / "resumed" / "model", tmp_path / "fsdp4" / "model", atol=0)
+    # resumed at two data shards (FSDP2 x TP2) from the four-shard checkpoint: the one-process run's steps 3 and 4
+    for run in ranks:
+        torch.testing.assert_close(run["resumed_at_dp2"]["loss"], reference["loss"], rtol=1e-5, atol=0)
+    _assert_same_saved_model(tmp_path / "resumed_at_dp2" / "model", tmp_path / "one" / "model")
 
 
-def _assert_matches(reference, ranks):
-    for rank, result in enumerate(ranks):
+def _assert_matches(reference, ranks, name):
+    for result in ranks:
         # the model was sharded once, by FSDPTurbo, and not wrapped again (no DDP, no second FSDP)
-        assert result["wrapped_is_model"] and result["model_type"] == "FSDPLlamaForCausalLM"
-        assert result["dtensor_params"] and result["dp"] == (rank, WORLD)
-        torch.testing.assert_close(result["loss"], reference["loss"], rtol=1e-5, atol=0)
+        assert result["wrapped_is_model"] and result["model_type"] == "FSDPLlamaForCausalLM", name
+        assert result["dtensor_params"], name
+        torch.testing.assert_close(result["loss"], reference["loss"], rtol=1e-5, atol=0, msg=name)
         for ours, theirs in zip(result["grad_norm"], reference["grad_norm"], strict=True):
-            assert math.isclose(ours, theirs, rel_tol=0, abs_tol=1e-4), (ours, theirs)
+            assert math.isclose(ours, theirs, rel_tol=0, abs_tol=1e-4), (name, ours, theirs)
     assert max(reference["grad_norm"]) > 1.0  # max_grad_norm=1.0 clipped: the clipped steps match too
     assert len(reference["eval_loss"]) == STEPS // 2  # evaluations at steps 2 and 4, on the sharded model too
     for result in ranks:
-        torch.testing.assert_close(result["eval_loss"], reference["eval_loss"], rtol=1e-5, atol=0)
-    # each global step: the ranks' rows, in rank order, are the one-process step's rows
+        torch.testing.assert_close(result["eval_loss"], reference["eval_loss"], rtol=1e-5, atol=0, msg=name)
+    # each global step: the data shards' rows, in data-shard order, are the one-process step's rows; the ranks of
+    # one data shard (CP and TP peers) saw the same rows
+    dp_size = ranks[0]["dp"][1]
+    shards = {dp: [r for r in ranks if r["dp"] == (dp, dp_size)] for dp in range(dp_size)}
+    assert all(len(peers) == WORLD // dp_size for peers in shards.values()), name
     micro_batches = len(ranks[0]["inputs"]) // STEPS
     for step in range(STEPS):
-        rows = torch.cat([result["inputs"][step * micro_batches + micro] for micro in range(micro_batches)
-                          for result in ranks])
-        assert torch.equal(rows, reference["inputs"][step]), step
+        def rows(result, micro, step=step):
+            return result["inputs"][step * micro_batches + micro]
+
+        for peers in shards.values():
+            assert all(torch.equal(rows(peer, m), rows(peers[0], m)) for peer in peers for m in range(micro_batches))
+        # micro-batch by micro-batch, each in data-shard order (accelerate's order)
+        step_rows = torch.cat([rows(shards[dp][0], m) for m in range(micro_batches) for dp in range(dp_size)])
+        assert torch.equal(step_rows, reference["inputs"][step]), (name, step)
 
 
-def _assert_same_saved_model(ours, theirs):
+def _assert_same_saved_model(ours, theirs, atol=1e-5):
     """save_model's folder: the files the plain Trainer writes, loaded by from_pretrained to the same weights."""
     assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
     mine, expected = (transformers.AutoModelForCausalLM.from_pretrained(d).state_dict() for d in (ours, theirs))
     assert sorted(mine) == sorted(expected)
     for key, tensor in expected.items():
-        torch.testing.assert_close(mine[key], tensor, rtol=0, atol=1e-5, msg=key)
+        torch.testing.assert_close(mine[key], tensor, rtol=0, atol=atol, msg=key)
     # it trained: the saved weights are not the initial ones
     initial = tiny_hf_causal_lm("llama").state_dict()["model.layers.0.self_attn.q_proj.weight"]
     assert not torch.allclose(mine["model.layers.0.self_attn.q_proj.weight"], initial, atol=1e-4)
@@ -97,29 +119,38 @@ def _construct(tmp_path, config=None, **arguments):
                        fsdp_turbo_config={} if config is None else config)
 
 
-REFUSED_ARGUMENTS = {
-    "gradient_checkpointing": ({"gradient_checkpointing": True}, "TrainingArguments.gradient_checkpointing",
-                               "recompute=True"),
-    # transformers sets gradient_checkpointing too, the field named first; the fix names both
-    "activation_checkpointing": ({"activation_checkpointing": True}, "TrainingArguments.gradient_checkpointing",
-                                 "activation_checkpointing=False) and turn on the FSDPTurbo config's recompute=True"),
-    "torch_compile": ({"torch_compile": True}, "TrainingArguments.torch_compile", "compile=True"),
-    "fsdp": ({"fsdp": "full_shard"}, "TrainingArguments.fsdp", "drop fsdp"),
-    "bf16 without param_dtype": ({"bf16": True}, "TrainingArguments.bf16", "fsdp_plan.param_dtype='bfloat16'"),
-    "fp16": ({"fp16": True}, "TrainingArguments.fp16", "use bf16=True"),
-    "checkpoints": ({"save_strategy": "steps"}, "TrainingArguments.save_strategy", "save_strategy='no'"),
+REFUSED_ARGUMENTS = {  # (TrainingArguments fields, FSDPTurbo config, the field named, part of the fix)
+    "gradient_checkpointing beside recompute": ({"gradient_checkpointing": True}, {"recompute": True},
+                                                "TrainingArguments.gradient_checkpointing",
+                                                "keep the FSDPTurbo config's recompute=True"),
+    # transformers sets gradient_checkpointing too, the field named first
+    "activation_checkpointing beside recompute": ({"activation_checkpointing": True}, {"recompute": True},
+                                                  "TrainingArguments.gradient_checkpointing", "recompute=True"),
+    "torch_compile beside compile": ({"torch_compile": True}, {"compile": True}, "TrainingArguments.torch_compile",
+                                     "keep the FSDPTurbo config's compile=True"),
+    "fsdp": ({"fsdp": "full_shard"}, {}, "TrainingArguments.fsdp", "drop fsdp"),
+    "bf16 without param_dtype": ({"bf16": True}, {}, "TrainingArguments.bf16", "fsdp_plan.param_dtype='bfloat16'"),
+    "fp16": ({"fp16": True}, {}, "TrainingArguments.fp16", "use bf16=True"),
 }
 
 
 @pytest.mark.parametrize("case", list(REFUSED_ARGUMENTS))
 def test_training_arguments_it_cannot_honour_are_refused(tmp_path, monkeypatch, case):
-    arguments, field, fix = REFUSED_ARGUMENTS[case]
+    arguments, config, field, fix = REFUSED_ARGUMENTS[case]
     # TrainingArguments(fsdp=...) writes this variable; set here, it is taken away again after the test
     monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
     with pytest.raises(ConfigError) as error:
-        _construct(tmp_path, **arguments)
+        _construct(tmp_path, config, **arguments)
     assert error.value.field.startswith(field), error.value
     assert fix in error.value.fix and "Fix: " in str(error.value)
+
+
+def test_gradient_checkpointing_alone_becomes_fsdp_turbos_recompute(tmp_path):
+    """TRL's configs turn gradient_checkpointing on by default: it is applied once, as the config's recompute."""
+    trainer = _construct(tmp_path, {}, gradient_checkpointing=True)
+    assert trainer.fsdp_turbo_config.recompute and not trainer.args.gradient_checkpointing
+    assert not trainer.args.activation_checkpointing  # so the Trainer does not checkpoint the layers again
+    assert not trainer.model.is_gradient_checkpointing
 
 
 def test_parallelism_config_is_refused(tmp_path):

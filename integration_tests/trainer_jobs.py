@@ -9,6 +9,7 @@ only the global token mean (``num_items_in_batch``) gives the one-process loss.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -68,9 +69,10 @@ def _record_inputs(model) -> list[torch.Tensor]:
     return seen
 
 
-def train(output_dir: str, per_device: int, config: dict | None, **overrides) -> dict:
+def train(output_dir: str, per_device: int, config: dict | None, *, resume: str | None = None, **overrides) -> dict:
     """Train the tiny Llama for ``STEPS`` steps: the plain Trainer when ``config`` is None, else through
-    ``with_fsdp_turbo``. Returns the logged losses and grad norms, and the rows each step saw."""
+    ``with_fsdp_turbo``; from ``resume`` (a checkpoint-N folder) when given. Returns the logged losses and grad
+    norms, and the rows each step saw."""
     from transformers import Trainer
 
     if config is None:
@@ -86,9 +88,10 @@ def train(output_dir: str, per_device: int, config: dict | None, **overrides) ->
         from fsdp_turbo.integrations.transformers import with_fsdp_turbo
 
         trainer = with_fsdp_turbo(Trainer)(model=model, args=args, **data, fsdp_turbo_config=config)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(f"{output_dir}/model")
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    state = trainer.model.parallel_state if config is not None else None
     return {
         "loss": [entry["loss"] for entry in logs],
         "grad_norm": [entry["grad_norm"] for entry in logs],
@@ -97,35 +100,37 @@ def train(output_dir: str, per_device: int, config: dict | None, **overrides) ->
         "wrapped_is_model": trainer.model_wrapped is trainer.model,
         "model_type": type(trainer.model_wrapped).__name__,
         "dtensor_params": all(type(p).__name__ == "DTensor" for p in trainer.model.parameters()),
-        "dp": (trainer.model.parallel_state.dp_rank, trainer.model.parallel_state.dp_size)
-        if config is not None else (0, 1),
+        "dp": (state.dp_rank, state.dp_size) if state is not None else (0, 1),
+        "saved": sorted(path.name for path in Path(output_dir).glob("checkpoint-*")),
     }
 
 
-def train_fsdp4(output_dir: str) -> dict:
-    """One launch, two runs at FSDP=4 with the same global batch: ``PER_RANK`` rows a rank, and one row a rank
-    over two accumulated micro-batches; and the layout the Trainer cannot feed yet (CP peers share a batch)."""
-    per_micro_batch = PER_RANK // 2
-    return {"plain": train(f"{output_dir}/fsdp4", PER_RANK, FSDP4),
-            "accumulated": train(f"{output_dir}/accumulated", per_micro_batch, FSDP4, gradient_accumulation_steps=2),
-            "cp_refusal": _context_parallel_refusal(output_dir)}
+# The layouts of one launch, each with the one-process Trainer's global batch of PER_RANK x WORLD rows.
+DP2 = PER_RANK * WORLD // 2  # rows a data shard at two data shards
+LAYOUTS = {
+    "fsdp4": (PER_RANK, FSDP4, {"save_strategy": "steps", "save_steps": 2}),
+    # one row a rank over two accumulated micro-batches
+    "accumulated": (PER_RANK // 2, FSDP4, {"gradient_accumulation_steps": 2}),
+    # TP peers share a batch: two data shards of DP2 rows
+    "fsdp2_tp2": (DP2, {"fully_shard_parallel_size": 2, "tensor_parallel_size": 2, "tp_plan": {
+        "colwise_parallel": ["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj", "lm_head"],
+        "rowwise_parallel": ["*.o_proj", "*.down_proj"],
+        "sequence_parallel": ["*layernorm", "model.norm"], "loss_parallel": True}}, {}),
+    # CP peers share a batch too, each computing its half of every sequence
+    "cp2_fsdp2": (DP2, {"fully_shard_parallel_size": 2, "context_parallel_size": 2}, {}),
+}
 
 
-def _context_parallel_refusal(output_dir: str) -> str | None:
-    from transformers import Trainer
-
-    from fsdp_turbo.core.errors import ConfigError
-    from fsdp_turbo.integrations.transformers import with_fsdp_turbo
-
-    model = tiny_hf_causal_lm("llama")
-    try:
-        with_fsdp_turbo(Trainer)(model=model, args=training_arguments(f"{output_dir}/cp", PER_RANK),
-                                 train_dataset=token_dataset(),
-                                 fsdp_turbo_config={"fully_shard_parallel_size": 2, "context_parallel_size": 2})
-    except ConfigError as error:
-        assert not hasattr(model, "parallel_state")  # refused before FSDPTurbo touched it
-        return str(error)
-    return None
+def train_layouts(output_dir: str) -> dict:
+    """One launch: the Trainer at each layout of ``LAYOUTS``; then, from fsdp4's checkpoint-2, a resume at the
+    same layout and one at two data shards (FSDP2 x TP2)."""
+    runs = {name: train(f"{output_dir}/{name}", per_device, config, **overrides)
+            for name, (per_device, config, overrides) in LAYOUTS.items()}
+    checkpoint = f"{output_dir}/fsdp4/checkpoint-2"
+    runs["resumed"] = train(f"{output_dir}/resumed", PER_RANK, FSDP4, resume=checkpoint)
+    per_device, config, _ = LAYOUTS["fsdp2_tp2"]
+    runs["resumed_at_dp2"] = train(f"{output_dir}/resumed_at_dp2", per_device, config, resume=checkpoint)
+    return runs
 
 
 def train_bf16_one_rank(output_dir: str) -> dict:

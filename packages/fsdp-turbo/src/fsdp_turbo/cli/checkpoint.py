@@ -34,7 +34,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from fsdp_turbo.checkpoint import safe_dcp
 from fsdp_turbo.checkpoint.atomic import fsync_tree, move_into_place
@@ -146,6 +152,35 @@ def _retire(output_dir: Path, run: str, keep: int) -> None:
         shutil.rmtree(old.path, ignore_errors=True)
 
 
+def write_trainable_state(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """DCP-save the trainable parameters and their optimizer state into ``folder``, sharded: each
+    rank writes its own shards. Every rank calls this."""
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
+    dcp.save(for_dcp({"model": model_state, "optimizer": optimizer_state}), checkpoint_id=str(folder))
+
+
+def read_trainable_state(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Load what :func:`write_trainable_state` wrote, at this job's layout (DCP reshards), as data
+    only (``safe_dcp``); without ``optimizer``, the parameters alone. Every rank calls this."""
+    if optimizer is None:
+        model_state = get_model_state_dict(model, options=TRAINABLE_ONLY)
+        original = {"model": model_state}
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
+        original = {"model": model_state, "optimizer": optimizer_state}
+    state = for_dcp(original)  # LoRA experts' strided shards as plain-sharded views (checkpoint.strided)
+    safe_dcp.load(state, Path(folder))
+    state = from_dcp(state, original)
+    # not strict: the frozen parameters are absent by design (safe_dcp.load has already
+    # refused a checkpoint lacking any trainable one)
+    loose = StateDictOptions(ignore_frozen_params=True, strict=False)
+    if optimizer is None:
+        set_model_state_dict(model, state["model"], options=loose)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=loose)
+
+
 def save_checkpoint(output_dir: str | Path, run: str, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, extra: dict[str, Any], keep: int,
                     device: torch.device, crash_after_shards: bool = False) -> Path:
@@ -158,8 +193,7 @@ def save_checkpoint(output_dir: str | Path, run: str, step: int, model: torch.nn
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash
             partial.mkdir(parents=True)
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
-    dcp.save(for_dcp({"model": model_state, "optimizer": optimizer_state}), checkpoint_id=str(partial))
+    write_trainable_state(partial, model, optimizer)
     with every_rank_or_none("save_checkpoint", device):
         torch.save(get_rng_state(device.type), partial / f"rng-rank{rank}.pt")
     if crash_after_shards:
@@ -180,15 +214,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     """Load model, optimizer and this rank's RNG states; return ``meta.json``."""
     with every_rank_or_none("load_checkpoint", device):
         meta = read_meta(path)
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
-    original = {"model": model_state, "optimizer": optimizer_state}
-    state = for_dcp(original)  # LoRA experts' strided shards as plain-sharded views (checkpoint.strided)
-    safe_dcp.load(state, path)
-    state = from_dcp(state, original)
-    # not strict: the frozen parameters are absent by design (safe_dcp.load has already
-    # refused a checkpoint lacking any trainable one)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    read_trainable_state(path, model, optimizer)
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng = path / f"rng-rank{rank}.pt"
     with every_rank_or_none("load_checkpoint", device):

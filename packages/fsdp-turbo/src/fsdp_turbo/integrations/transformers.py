@@ -10,15 +10,26 @@ The script is otherwise unchanged and launched with ``torchrun``. The subclass a
 ``FSDPTurbo(config, model)`` once, in its ``__init__``, before accelerate sees the model, and
 tells the Trainer that the model owns its placement and gradient reduction, so accelerate
 neither moves it nor wraps it again (no DDP, no second FSDP). Everything else is the
-Trainer's own: its data loader (each rank a data shard), its loss scaling by
-``num_items_in_batch`` (the global token mean), its optimizer, scheduler, clipping (one norm
-over the DTensor gradients), logging and callbacks.
+Trainer's own (its optimizer, scheduler, clipping over every mesh, logging and callbacks),
+with four changes:
+
+- **Data** (``trainer_data``): each data shard (``dp_rank`` of ``dp_size``), not each process,
+  reads its own rows; context- and tensor-parallel peers read the same ones.
+- **Loss**: the global token mean through ``num_items_in_batch``, scaled by the number of data
+  shards (the ranks that share a batch are reported to the Trainer as ``get_tp_size()``).
+- **Checkpoints**: ``save_steps`` write the trainable parameters and their optimizer state with
+  DCP (``checkpoint-N/fsdp_turbo_state/``) beside the Trainer's own files, and
+  ``resume_from_checkpoint`` reads them at any layout; ``save_model`` writes transformers'
+  layout (or a PEFT adapter) without any rank holding the whole model.
+- **TRL** (``trainer_trl``): where TRL's fused LM head would read around FSDPTurbo's loss
+  features, ``SFTTrainer`` trains on the model's own loss and other TRL trainers are refused;
+  ``DPOTrainer``'s reference model is sharded like the policy.
 
 Everything the subclass cannot honour is refused with a ``ConfigError`` naming the
 ``TrainingArguments`` field and the fix, on every rank, before the model is sharded (so before
-any collective of ours).
+any collective of ours; ``trainer_arguments``).
 
-Tested with transformers 5.23 and accelerate 1.15 (``TESTED_VERSIONS``).
+Tested with transformers 5.23, accelerate 1.15 and TRL 1.16 (``TESTED_VERSIONS``).
 """
 
 from __future__ import annotations
@@ -34,7 +45,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.cli.checkpoint import read_trainable_state, write_trainable_state
+from fsdp_turbo.core.errors import CheckpointError, ConfigError
 from fsdp_turbo.fsdp_turbo import FSDPTurbo, as_config
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
@@ -42,7 +54,17 @@ try:  # transformers is a dependency of the fsdp-turbo package (not of turbo-cor
     import accelerate  # noqa: F401 - only to name it when missing
     import transformers
     from packaging.version import Version
-    from transformers.trainer import TRAINING_ARGS_NAME
+    from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+    from transformers.trainer_utils import SaveStrategy
+
+    from fsdp_turbo.integrations.trainer_arguments import check_trainer_inputs, check_training_arguments
+    from fsdp_turbo.integrations.trainer_data import check_even_eval_batches, feed_data_shard
+    from fsdp_turbo.integrations.trainer_trl import (
+        adapter_first,
+        check_trl_trainer,
+        loss_through_model,
+        warn_metrics_not_logged,
+    )
 except ImportError as error:
     raise ImportError(
         f"fsdp_turbo.integrations.transformers needs transformers and accelerate (tested with transformers 5.23 "
@@ -50,7 +72,7 @@ except ImportError as error:
 
 __all__ = ["TESTED_VERSIONS", "FSDPTurboTrainerMixin", "check_training_arguments", "load_config", "with_fsdp_turbo"]
 
-TESTED_VERSIONS = {"transformers": "5.23", "accelerate": "1.15"}
+TESTED_VERSIONS = {"transformers": "5.23", "accelerate": "1.15", "trl": "1.16"}
 # The oldest transformers whose Trainer has the switch this module sets (``is_distributed_loading_by_transformers``:
 # a model that owns its placement and gradient reduction is neither moved nor wrapped by accelerate).
 MIN_TRANSFORMERS = "5.23"
@@ -66,137 +88,6 @@ def load_config(value: ConfigLike | None) -> FSDPTurboConfig:
     """The ``fsdp_turbo_config=`` keyword as a config: a config, a dict of its fields, or a YAML/TOML path
     (read as ``FSDPTurbo`` reads them)."""
     return as_config(value, field="fsdp_turbo_config")
-
-
-# ----- refusals: what the Trainer would do beside FSDPTurbo -------------------------------------
-# TrainingArguments fields that ask the Trainer (or accelerate) for a feature FSDPTurbo's config owns.
-# (transformers 5 renamed gradient_checkpointing to activation_checkpointing; either sets both.)
-_OWNED_BY_CONFIG = {
-    "gradient_checkpointing": "set gradient_checkpointing=False (activation_checkpointing=False) and turn on the "
-                              "FSDPTurbo config's recompute=True (recompute_plan and recompute_policy pick the "
-                              "blocks and what is kept)",
-    "activation_checkpointing": "set activation_checkpointing=False and turn on the FSDPTurbo config's "
-                                "recompute=True (recompute_plan and recompute_policy pick the blocks and what is kept)",
-    "torch_compile": "set torch_compile=False and turn on the FSDPTurbo config's compile=True "
-                     "(compile_plan and compile_backend pick the blocks and the backend)",
-}
-# Fields that ask for another sharding or parallelism of the model; FSDPTurbo's config is the one layout.
-_OTHER_LAYOUTS = {
-    "deepspeed": "drop deepspeed from TrainingArguments: FSDPTurbo shards the model (fsdp_turbo_config)",
-    "fsdp": "drop fsdp (and fsdp_config) from TrainingArguments: FSDPTurbo shards the model (fsdp_turbo_config's "
-            "fully_shard_parallel_size and fsdp_plan)",
-    "parallelism_config": "drop parallelism_config from TrainingArguments: give the sizes in fsdp_turbo_config "
-                          "(fully_shard_parallel_size, tensor_parallel_size, context_parallel_size, ...)",
-}
-# accelerate launch's switches, read by the Accelerator from the environment behind TrainingArguments' back.
-_LAUNCHER_ENV = {"ACCELERATE_USE_FSDP": "fsdp", "ACCELERATE_USE_DEEPSPEED": "deepspeed"}
-
-
-def _refuse_owned_features(args: Any) -> None:
-    for name, fix in _OWNED_BY_CONFIG.items():
-        if getattr(args, name, False):
-            raise ConfigError(f"TrainingArguments.{name}", getattr(args, name), fix,
-                              reason="with_fsdp_turbo applies this through the FSDPTurbo config, once")
-
-
-def _shown(value: Any) -> Any:
-    """A field's value for an error message: plain values as they are, objects by their class."""
-    return value if isinstance(value, str | int | float | list | tuple | dict) else f"{type(value).__name__}(...)"
-
-
-def _refuse_other_layouts(args: Any) -> None:
-    for name, fix in _OTHER_LAYOUTS.items():
-        if getattr(args, name, None):  # None, "" and [] are unset
-            raise ConfigError(f"TrainingArguments.{name}", _shown(getattr(args, name)), fix,
-                              reason="the model is sharded by FSDPTurbo and must not be wrapped again")
-    for variable, name in _LAUNCHER_ENV.items():
-        if os.environ.get(variable, "false").strip().lower() in ("1", "true"):
-            raise ConfigError(f"${variable}", os.environ[variable], f"launch with torchrun, or accelerate launch "
-                              f"without its {name} options: {_OTHER_LAYOUTS[name]}",
-                              reason="the model is sharded by FSDPTurbo and must not be wrapped again")
-
-
-def _precision_source(args: Any) -> tuple[str, Any]:
-    """Where the Trainer's mixed precision comes from, and its value: its bf16/fp16 field, else accelerate
-    launch's environment."""
-    for name in ("bf16", "fp16"):
-        if getattr(args, name, False):
-            return f"TrainingArguments.{name}", True
-    return "$ACCELERATE_MIXED_PRECISION", os.environ.get("ACCELERATE_MIXED_PRECISION")
-
-
-def _check_mixed_precision(args: Any, config: FSDPTurboConfig) -> None:
-    """Mixed precision comes from ``fsdp_plan.param_dtype``: the Trainer's (bf16, fp16, or accelerate launch's
-    ``--mixed_precision``, all in ``args.mixed_precision``) must say the same."""
-    asked = getattr(args, "mixed_precision", "no") or "no"
-    param_dtype = config.fsdp_plan.param_dtype
-    param_dtype = None if param_dtype == torch.float32 else param_dtype
-    if asked == "fp16":
-        raise ConfigError(*_precision_source(args), "use bf16=True with fsdp_plan.param_dtype='bfloat16'",
-                          reason="fp16 needs a loss scaler, which with_fsdp_turbo does not set up for sharded "
-                                 "gradients")
-    if asked == "bf16" and param_dtype != torch.bfloat16:
-        raise ConfigError(*_precision_source(args), "set fsdp_plan.param_dtype='bfloat16' in the FSDPTurbo config "
-                          "(mixed precision comes from fsdp_plan), or drop bf16",
-                          reason=f"fsdp_plan.param_dtype is {param_dtype}")
-    if asked == "no" and param_dtype is not None:
-        shown = str(param_dtype).removeprefix("torch.")
-        fix = ("set bf16=True in TrainingArguments too, or unset fsdp_plan.param_dtype"
-               if param_dtype == torch.bfloat16 else "use 'bfloat16' (with bf16=True), or unset it")
-        raise ConfigError("fsdp_plan.param_dtype", shown, fix,
-                          reason="TrainingArguments ask for no mixed precision (bf16 is False)")
-
-
-def _refuse_checkpoints(args: Any) -> None:
-    # Trainer checkpoints (save_steps) of a sharded model are a later slice: the Trainer itself refuses them for a
-    # model that owns its sharding, with a message about from_pretrained(distributed_config=...). Say it here.
-    strategy = getattr(getattr(args, "save_strategy", "no"), "value", getattr(args, "save_strategy", "no"))
-    if strategy != "no":
-        raise ConfigError("TrainingArguments.save_strategy", strategy,
-                          "set save_strategy='no' and save the trained model with trainer.save_model(path) "
-                          "after trainer.train(), on every rank",
-                          reason="Trainer checkpoints of an FSDPTurbo model are not supported yet")
-
-
-def _check_data_layout(args: Any, config: FSDPTurboConfig) -> None:
-    # The Trainer's data loader (accelerate's) gives each process its own batch: right when every rank is its own
-    # data shard, as under FSDP and HSDP. CP and TP peers must see the same batch: not wired to the Trainer yet.
-    sizes = config.validate(args.world_size)
-    if sizes.dp_replicate_x_fsdp != args.world_size:
-        field = next((f for f in ("context_parallel_size", "tensor_parallel_size") if getattr(config, f) > 1),
-                     "fully_shard_parallel_size")
-        value = getattr(config, field)
-        raise ConfigError(field, value, f"set {field}=1 (FSDP and HSDP over the {args.world_size} ranks work)",
-                          reason="with_fsdp_turbo gives each rank its own batch; context and tensor parallel "
-                                 "peers sharing one batch are not supported with the Trainer yet")
-
-
-def check_training_arguments(args: Any, config: FSDPTurboConfig) -> None:
-    """Refuse the ``TrainingArguments`` that FSDPTurbo cannot honour beside ``config``. No collectives."""
-    _refuse_owned_features(args)
-    _refuse_other_layouts(args)
-    _check_mixed_precision(args, config)
-    _refuse_checkpoints(args)
-    _check_data_layout(args, config)
-
-
-def _check_trainer_inputs(model: Any, args: Any, model_init: Any, optimizers: Any) -> None:
-    if optimizers and optimizers[0] is not None:
-        raise ConfigError("optimizers", f"({type(optimizers[0]).__name__}, ...)",
-                          "let the Trainer build the optimizer (TrainingArguments.optim, learning_rate, ...), or "
-                          "pass optimizer_cls_and_kwargs=(cls, kwargs)",
-                          reason="an optimizer made before the Trainer holds the model's unsharded parameters, "
-                                 "which FSDPTurbo replaces with their shards")
-    if model_init is not None:
-        raise ConfigError("model_init", getattr(model_init, "__name__", model_init),
-                          "build the model yourself and pass model=; it is sharded once, in the Trainer's __init__",
-                          reason="with_fsdp_turbo does not re-create and re-shard models (hyperparameter search)")
-    if not isinstance(model, nn.Module):
-        raise ConfigError("model", model if isinstance(model, str) else type(model).__name__,
-                          "load the model yourself (e.g. AutoModelForCausalLM.from_pretrained(...)) and pass it")
-    if args is None:
-        raise ConfigError("args", None, "pass args=TrainingArguments(...) (or the trainer's config class)",
-                          reason="the arguments are checked against the FSDPTurbo config before sharding")
 
 
 # ----- the subclass -----------------------------------------------------------------------------
@@ -223,15 +114,59 @@ class FSDPTurboTrainerMixin:
 
     def __init__(self, *args: Any, fsdp_turbo_config: ConfigLike | None = None, **kwargs: Any) -> None:
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
+        bound.apply_defaults()  # every parameter named, e.g. DPOTrainer's ref_model when not given
         model, training_args = bound.arguments.get("model"), bound.arguments.get("args")
         config = load_config(fsdp_turbo_config)
         # every check before FSDPTurbo, whose meshes and fully_shard are the first collectives
-        _check_trainer_inputs(model, training_args, bound.arguments.get("model_init"),
+        check_trainer_inputs(model, training_args, bound.arguments.get("model_init"),
                               bound.arguments.get("optimizers"))
-        check_training_arguments(training_args, config)
-        bound.arguments["model"] = FSDPTurbo(config, model)
+        config = check_training_arguments(training_args, config)
+        check_trl_trainer(type(self), bound.arguments, config)
+        adapter_first(bound.arguments)
+        bound.arguments["model"] = FSDPTurbo(config, bound.arguments["model"])
+        if isinstance(bound.arguments.get("ref_model"), nn.Module):  # DPOTrainer's: sharded like the policy
+            bound.arguments["ref_model"] = FSDPTurbo(config, bound.arguments["ref_model"])
         self.fsdp_turbo_config = config
-        super().__init__(*bound.args, **bound.kwargs)
+        self._writing_checkpoint = False
+        self._loss_through_model = loss_through_model(type(self), config)
+        if self._loss_through_model:
+            warn_metrics_not_logged(type(self), config)
+        with _checkpoints_allowed(training_args):
+            super().__init__(*bound.args, **bound.kwargs)
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        if self._loss_through_model:  # TRL's fused LM head would read around CP, TP or the chunked loss (trainer_trl)
+            return transformers.Trainer.compute_loss(self, model, inputs, return_outputs=return_outputs,
+                                                     num_items_in_batch=num_items_in_batch)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+
+    # ----- one batch per data shard ------------------------------------------------------------------------------
+    # transformers' Trainer divides the token count and scales the loss by the ranks that share a batch, which it
+    # reads as get_tp_size() x get_cp_size() x get_sp_size() (the loss scale reads get_tp_size() alone). Under
+    # FSDPTurbo those are all of the world outside the data shards (CP and TP peers), and the loss scale must be the
+    # data-shard count: FSDP averages over fsdp x cp, and context parallel's loss already sums the sequence over cp
+    # (context_parallel.loss). So the whole factor is reported as the first, and the others as 1.
+    def get_tp_size(self) -> int:
+        state = self.model.parallel_state
+        return state.world_size // state.dp_size
+
+    def get_cp_size(self) -> int:
+        return 1
+
+    def get_sp_size(self) -> int:
+        return 1
+
+    def _get_dataloader(self, dataset: Any, description: str, batch_size: int, sampler_fn: Any = None,
+                        is_training: bool = False, dataloader_key: str | None = None) -> Any:
+        state = self.model.parallel_state
+        if not is_training:
+            check_even_eval_batches(dataset, batch_size, state.dp_size, state.world_size)
+        loader = super()._get_dataloader(dataset=dataset, description=description, batch_size=batch_size,
+                                         sampler_fn=sampler_fn, is_training=is_training,
+                                         dataloader_key=dataloader_key)
+        return feed_data_shard(loader, state.dp_rank, state.dp_size, state.world_size)
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         # Why: with bf16, accelerate would wrap the model's forward in autocast (and cast its outputs to float32):
@@ -266,6 +201,8 @@ class FSDPTurboTrainerMixin:
         # fsdp_turbo.checkpoint.save_pretrained writes one file at a time, each from the rank that gathers it.
         # It publishes a whole folder (replacing it), so it writes a scratch folder inside output_dir, whose
         # files then join what output_dir already holds (logs, other checkpoints), as save_pretrained's would.
+        if self._writing_checkpoint and not self.args.save_only_model:
+            return  # a save_steps checkpoint: the model goes in sharded, with its optimizer state (below)
         from fsdp_turbo.checkpoint import save_pretrained
 
         output_dir = Path(output_dir if output_dir is not None else self.args.output_dir)
@@ -280,6 +217,62 @@ class FSDPTurboTrainerMixin:
         self.accelerator.wait_for_everyone()  # every rank returns once the folder is complete
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    # ----- save_steps checkpoints: DCP-sharded, beside the Trainer's own state files ------------------------------
+    # Why: the Trainer's checkpoint of a model that owns its sharding would be whole weights on one rank and no
+    # optimizer state (transformers refuses it). Here checkpoint-N/ holds the trainable parameters and their
+    # optimizer state in DCP (each rank writes its shards; any later layout or data-parallel size reads them),
+    # and everything else the Trainer writes there as usual: scheduler, RNG states, trainer_state.json.
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        self._writing_checkpoint = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._writing_checkpoint = False
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        write_trainable_state(Path(output_dir) / SHARDED_STATE, self.model, self.optimizer)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        # Only checked here: the parameters are read with their optimizer state, once the optimizer exists.
+        _sharded_state(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        read_trainable_state(_sharded_state(checkpoint), self.model, self.optimizer)
+        scheduler = Path(checkpoint) / SCHEDULER_NAME
+        if scheduler.is_file():  # weights_only: a checkpoint is data
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        read_trainable_state(_sharded_state(self.state.best_model_checkpoint), self.model, None)
+
+
+SHARDED_STATE = "fsdp_turbo_state"  # the DCP folder inside a Trainer checkpoint-N/
+
+
+def _sharded_state(checkpoint: str | os.PathLike) -> Path:
+    folder = Path(checkpoint) / SHARDED_STATE
+    if not (folder / ".metadata").is_file():
+        raise CheckpointError("resume_from_checkpoint", str(checkpoint), "resume from a checkpoint-N folder "
+                              "written by a with_fsdp_turbo Trainer (its save_steps), or start without it",
+                              reason=f"it has no {SHARDED_STATE}/ (the model and optimizer state, sharded)")
+    return folder
+
+
+@contextlib.contextmanager
+def _checkpoints_allowed(args: Any) -> Iterator[None]:
+    """``Trainer.__init__`` refuses save_steps checkpoints for a model that owns its sharding (it could not save
+    its optimizer state); this subclass saves them (above), so the check sees save_strategy 'no' for its duration."""
+    strategy = args.save_strategy
+    args.save_strategy = SaveStrategy.NO
+    try:
+        yield
+    finally:
+        args.save_strategy = strategy
 
 
 def _check_transformers_version() -> None:
