@@ -48,10 +48,13 @@ def _pip_find_links() -> str:
 
 if "UV_FIND_LINKS" not in os.environ and (_links := _pip_find_links()):
     os.environ["UV_FIND_LINKS"] = _links
-# pip byte-compiles what it installs; uv does not unless asked. Without it every rank of
-# every test compiles torch's and transformers' sources again where PYTHONDONTWRITEBYTECODE
-# is set (a 4-rank launch took 2.4 times as long).
-os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
+# Bytecode: every test process imports torch and transformers, and where
+# PYTHONDONTWRITEBYTECODE is set (as on the project's machines) each would compile their
+# sources again (a 4-rank launch took 2.4 times as long). Compiling everything at install
+# (uv's --compile-bytecode) cost 22 s per session for torch and transformers alone, most of
+# it for modules no test imports. So the sessions' processes may write bytecode instead:
+# the first import of a module compiles it once, for every later process of the session.
+os.environ["PYTHONDONTWRITEBYTECODE"] = ""  # empty: writing allowed (a non-empty value forbids it)
 
 
 def _install(session: nox.Session, *targets: str) -> None:

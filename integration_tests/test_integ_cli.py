@@ -81,6 +81,21 @@ def assert_same_weights(got, expected):
         assert torch.equal(got[name], tensor), name
 
 
+def with_data_cache(job: dict, folder) -> dict:
+    """``job`` keeping its tokenized data in ``folder``: every launch of a module's job finds the data its
+    first launch prepared (the cache is keyed by what the data are: ``test_integ_data_cache``), instead of
+    tokenizing them again into each run's own output folder."""
+    return {**job, "data": {**job["data"], "cache_dir": str(folder)}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_data_cache(tmp_path_factory):
+    """This module's jobs (``JOB`` and the variants its tests make of it) share one data cache."""
+    JOB["data"] = with_data_cache(JOB, tmp_path_factory.mktemp("data-cache"))["data"]
+    yield
+    del JOB["data"]["cache_dir"]
+
+
 @pytest.fixture(scope="module")
 def job_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("job") / "job.yaml"

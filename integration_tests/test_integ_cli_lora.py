@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 from peft_jobs import over_quantized_bases
-from test_integ_cli import assert_same_weights, checkpoint, metrics, train
+from test_integ_cli import assert_same_weights, checkpoint, metrics, train, with_data_cache
 
 pytest.importorskip("peft")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -44,10 +44,15 @@ def adapter(output) -> dict[str, torch.Tensor]:
     return safetensors.load_file(str(Path(output) / "final" / "adapter_model.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("data-cache")  # both jobs read the same data
+
+
 @pytest.fixture(scope="module", params=list(JOBS))
-def job_file(request, tmp_path_factory):
+def job_file(request, tmp_path_factory, data_cache):
     path = tmp_path_factory.mktemp(f"{request.param}_job") / "job.yaml"
-    path.write_text(yaml.safe_dump(JOBS[request.param]))
+    path.write_text(yaml.safe_dump(with_data_cache(JOBS[request.param], data_cache)))
     return path
 
 

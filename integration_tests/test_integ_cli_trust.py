@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_integ_cli import fsdp_turbo, metrics, train
+from test_integ_cli import fsdp_turbo, metrics, train, with_data_cache
 
 from fsdp_turbo.cli import faults
 from fsdp_turbo.core.errors import ConfigError
@@ -52,7 +52,7 @@ def saved(output) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def job_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("trust") / "job.yaml"
-    path.write_text(yaml.safe_dump(JOB))
+    path.write_text(yaml.safe_dump(with_data_cache(JOB, tmp_path_factory.mktemp("data-cache"))))
     return path
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_integ_cli import TIMING, assert_same_weights, metrics, weights
+from test_integ_cli import TIMING, assert_same_weights, metrics, weights, with_data_cache
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("multinode")]
@@ -163,7 +163,7 @@ def untimed(rows):
 @pytest.fixture(scope="module")
 def job_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("multinode-job") / "job.yaml"
-    path.write_text(yaml.safe_dump(_job()))
+    path.write_text(yaml.safe_dump(with_data_cache(_job(), tmp_path_factory.mktemp("data-cache"))))
     return path
 
 
