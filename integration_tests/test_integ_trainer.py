@@ -214,3 +214,13 @@ def test_accelerate_launch_options_are_refused_too(tmp_path, monkeypatch, variab
     monkeypatch.setenv(variable, value)  # what `accelerate launch --mixed_precision bf16` / `--use_fsdp` set
     with pytest.raises(ConfigError, match=expected):
         _construct(tmp_path)
+
+
+def test_an_eval_set_the_peers_would_trim_unevenly_is_refused():
+    from fsdp_turbo.integrations.trainer_data import check_even_eval_batches
+
+    # 2 data shards on 4 ranks (CP or TP peers), 4 rows a shard: 16 rows divide, 10 do not
+    check_even_eval_batches(list(range(16)), 4, 2, 4)
+    check_even_eval_batches(list(range(10)), 4, 4, 4)  # no peers: accelerate trims the last batch right
+    with pytest.raises(ConfigError, match=r"eval_dataset='10 rows'.*Fix: evaluate a multiple of .* = 8 rows"):
+        check_even_eval_batches(list(range(10)), 4, 2, 4)
