@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 # What every FSDPTurbo feature package may import besides itself.
-SHARED_ALLOWED = ("torch", "fsdp_turbo.core", "fsdp_turbo.fsdp_turbo_config", "fsdp_turbo.fsdp_turbo")
+# turbo-core's modules a feature package may use (the op registry and its gated delta rule ops are turbo-core's).
+SHARED_ALLOWED = ("torch", "fsdp_turbo.core", "fsdp_turbo.fsdp_turbo_config", "fsdp_turbo.fsdp_turbo",
+                  "fsdp_turbo.ops.registry", "fsdp_turbo.ops.fla")
 # Device libraries, which only device backends (files under an ``ops/`` folder) may import.
 DEVICE_LIBRARIES = ("torch_npu", "triton")
 

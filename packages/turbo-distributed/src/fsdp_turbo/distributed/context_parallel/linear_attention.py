@@ -34,6 +34,18 @@ from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.distributed.context_parallel.all_to_all import heads_to_sequence, sequence_to_channels
 from fsdp_turbo.distributed.context_parallel.context import CPState
 
+# The short convolution's activation, by the name the model's config gives (transformers' ACT2FN names; a
+# feature package does not import transformers).
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu, "tanh": torch.tanh}
+
+
+def _activation(name: str):
+    if name not in _ACTIVATIONS:
+        raise ConfigError("model.config.hidden_act", name, f"use one of {sorted(_ACTIVATIONS)}, or add it to "
+                          "context_parallel.linear_attention._ACTIVATIONS",
+                          reason="the linear-attention layer's convolution activation is not known under CP")
+    return _ACTIVATIONS[name]
+
 
 class Projections(NamedTuple):
     """One chunk's per-token projections: q, k ``[B, s, key_heads, dk]``; v, z ``[B, s,
@@ -285,9 +297,7 @@ def ulysses_linear_attention(module: nn.Module, form: type[LinearAttentionForm],
     bias = module.conv1d.bias
     mixed = causal_conv(mixed, _my_channels(module, module.conv1d.weight.squeeze(1), key_heads, cp, rank),
                         None if bias is None else _my_channels(module, bias, key_heads, cp, rank), documents)
-    from transformers.activations import ACT2FN
-
-    mixed = ACT2FN[module.activation](mixed)
+    mixed = _activation(module.activation)(mixed)
     key_channels = key_heads * module.head_k_dim // cp
     q, k, v = mixed.split([key_channels, key_channels, conv_channels - 2 * key_channels], dim=-1)
     q, k = q.unflatten(-1, (-1, module.head_k_dim)), k.unflatten(-1, (-1, module.head_k_dim))
