@@ -51,16 +51,27 @@ if "UV_FIND_LINKS" not in os.environ and (_links := _pip_find_links()):
 # Bytecode: every test process imports torch and transformers, and where
 # PYTHONDONTWRITEBYTECODE is set (as on the project's machines) each would compile their
 # sources again (a 4-rank launch took 2.4 times as long). Compiling everything at install
-# (uv's --compile-bytecode) cost 22 s per session for torch and transformers alone, most of
-# it for modules no test imports. So the sessions' processes may write bytecode instead:
-# the first import of a module compiles it once, for every later process of the session.
+# (uv's --compile-bytecode) took 22 s per session for torch and transformers alone, most of
+# it for modules no test imports (transformers' hundreds of model families). So the sessions'
+# processes may write bytecode, and one process imports what every test imports before the
+# tests start (else pytest's workers and their rank servers would compile the same modules
+# side by side); anything else is compiled by its first import, once for the session.
 os.environ["PYTHONDONTWRITEBYTECODE"] = ""  # empty: writing allowed (a non-empty value forbids it)
+WARM_IMPORTS = """
+import importlib.util
+import torch, torch.distributed.tensor, torch._dynamo
+for name in ("transformers.models.llama.modeling_llama", "transformers.models.qwen3_moe.modeling_qwen3_moe",
+             "fsdp_turbo.fsdp_turbo"):
+    if importlib.util.find_spec(name.split(".")[0]):
+        __import__(name)
+"""
 
 
 def _install(session: nox.Session, *targets: str) -> None:
     # torch first, alone, so pip never considers another build of it.
     session.install(*CONSTRAINTS, "torch==2.13.0")
     session.install(*CONSTRAINTS, *targets)
+    session.run("python", "-c", WARM_IMPORTS)
 
 
 def _package(name: str, extra: str = "") -> str:
