@@ -131,38 +131,48 @@ def test_train_writes_metrics_plot_checkpoints_and_an_hf_model(reference):
     assert torch.equal(model.lm_head.weight, exported["lm_head.weight"])
 
 
-def test_a_job_from_a_checkpoint_trains_as_the_job_from_its_config(job_file, reference, tmp_path):
-    """``model_name_or_path`` (meta build + load_pretrained) of the very weights ``init_weights``
-    gives the config-built job: the same run to the last bit, through a stop and a resume."""
+@pytest.fixture(scope="module")
+def stopped_and_resumed(job_file, reference, tmp_path_factory):
+    """The job with ``model_name_or_path`` (meta build + load_pretrained) of the very weights ``init_weights`` gives
+    the config-built job, stopped cleanly after step 3 and resumed: one run that two tests read."""
     from fsdp_turbo.checkpoint import init_weights
     from fsdp_turbo.cli.job_config import JobConfig
     from fsdp_turbo.cli.model import build_model
 
+    root = tmp_path_factory.mktemp("stopped_and_resumed")
     start = init_weights(build_model(JobConfig.from_dict(JOB).model), seed=JOB["run"]["seed"])
-    start.save_pretrained(tmp_path / "start")  # transformers' own save, in the checkpoint layout
-    path_job = tmp_path / "path_job.yaml"
-    path_job.write_text(yaml.safe_dump({**JOB, "model": {"model_name_or_path": str(tmp_path / "start")}}))
+    start.save_pretrained(root / "start")  # transformers' own save, in the checkpoint layout
+    path_job = root / "path_job.yaml"
+    path_job.write_text(yaml.safe_dump({**JOB, "model": {"model_name_or_path": str(root / "start")}}))
+    out = root / "out"
     plan = fsdp_turbo("plan", path_job, "--world-size", 2).stdout
-    assert "each rank reads about" in plan
-    # stopped and resumed on the way, so resume and export after a load are covered too
-    result = train(path_job, tmp_path / "out", 2, "--stop-at-step", 3)
-    assert "this rank read" in result.stderr
-    train(path_job, tmp_path / "out")
-    assert metrics(tmp_path / "out") == [{**row, **{k: r[k] for k in TIMING}} for row, r in
-                                          zip(metrics(reference), metrics(tmp_path / "out"), strict=True)]
-    assert_same_weights(weights(tmp_path / "out"), weights(reference))
+    stopped = train(path_job, out, 2, "--stop-at-step", 3)
+    at_stop = {"final": (out / "final").exists(), "checkpoint_3": checkpoint(out, 3).is_dir(),
+               "metrics": (out / "metrics.jsonl").read_text()}
+    resumed = train(path_job, out)
+    return {"plan": plan, "stopped": stopped, "at_stop": at_stop, "resumed": resumed, "out": out}
 
 
-def test_resume_after_a_clean_stop_continues_exactly(job_file, reference, tmp_path):
-    stopped = train(job_file, tmp_path, 2, "--stop-at-step", 3)
-    assert progress_steps(stopped) == [1, 2, 3]  # one line a step (logging.every: 1)
-    assert not (tmp_path / "final").exists() and checkpoint(tmp_path, 3).is_dir()
-    before = (tmp_path / "metrics.jsonl").read_text()
-    assert progress_steps(train(job_file, tmp_path)) == [4, 5, 6]
-    assert (tmp_path / "metrics.jsonl").read_text().startswith(before)  # appended, never rewritten
-    assert metrics(tmp_path) == [{**row, **{k: r[k] for k in TIMING}}
-                                 for row, r in zip(metrics(reference), metrics(tmp_path), strict=True)]
-    assert_same_weights(weights(tmp_path), weights(reference))
+def test_a_job_from_a_checkpoint_trains_as_the_job_from_its_config(stopped_and_resumed, reference):
+    """The same run to the last bit, through a stop and a resume (so resume and export after a load are covered
+    too)."""
+    run = stopped_and_resumed
+    assert "each rank reads about" in run["plan"]
+    assert "this rank read" in run["stopped"].stderr
+    assert metrics(run["out"]) == [{**row, **{k: r[k] for k in TIMING}} for row, r in
+                                   zip(metrics(reference), metrics(run["out"]), strict=True)]
+    assert_same_weights(weights(run["out"]), weights(reference))
+
+
+def test_resume_after_a_clean_stop_continues_exactly(stopped_and_resumed, reference):
+    run = stopped_and_resumed
+    assert progress_steps(run["stopped"]) == [1, 2, 3]  # one line a step (logging.every: 1)
+    assert not run["at_stop"]["final"] and run["at_stop"]["checkpoint_3"]
+    assert progress_steps(run["resumed"]) == [4, 5, 6]
+    assert (run["out"] / "metrics.jsonl").read_text().startswith(run["at_stop"]["metrics"])  # appended, never rewritten
+    assert metrics(run["out"]) == [{**row, **{k: r[k] for k in TIMING}}
+                                   for row, r in zip(metrics(reference), metrics(run["out"]), strict=True)]
+    assert_same_weights(weights(run["out"]), weights(reference))
 
 
 def test_a_four_rank_checkpoint_resumes_at_two_ranks(job_file, tmp_path):
