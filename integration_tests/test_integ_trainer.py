@@ -224,3 +224,19 @@ def test_an_eval_set_the_peers_would_trim_unevenly_is_refused():
     check_even_eval_batches(list(range(10)), 4, 4, 4)  # no peers: accelerate trims the last batch right
     with pytest.raises(ConfigError, match=r"eval_dataset='10 rows'.*Fix: evaluate a multiple of .* = 8 rows"):
         check_even_eval_batches(list(range(10)), 4, 2, 4)
+
+
+def test_a_model_that_returns_logits_is_refused_before_sharding(tmp_path):
+    class LogitsModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
+
+        def forward(self, input_ids):
+            return self.head(self.embed(input_ids))
+
+    model = LogitsModel()
+    with pytest.raises(ConfigError, match=r"model='LogitsModel'.*forward takes no labels.*core.lm_loss"):
+        with_fsdp_turbo(transformers.Trainer)(model=model, args=training_arguments(str(tmp_path), PER_RANK),
+                                              fsdp_turbo_config={})
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())  # untouched

@@ -47,7 +47,19 @@ def test_trl_trainers_match_the_one_process_script(tmp_path):
     # peft_config=: only the adapters train, as in the one-process script
     lora = first["lora fsdp4"]
     assert lora["trainable"] == reference["lora"]["trainable"] < lora["parameters"] // 20
+    _assert_same_adapter(tmp_path / "lora_fsdp4" / "adapter", tmp_path / "one" / "lora" / "adapter")
     assert max(reference["dpo"]["grad_norm"]) > 1.0  # max_grad_norm clipped DPO's steps, and they match
+
+
+def _assert_same_adapter(ours, theirs):
+    """save_model of the sharded PEFT model: the adapter files PEFT writes, holding the one-process run's adapter."""
+    from safetensors.torch import load_file
+
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in ours.iterdir()}
+    mine, expected = (load_file(str(d / "adapter_model.safetensors")) for d in (ours, theirs))
+    assert sorted(mine) == sorted(expected) and any("lora_B" in key for key in mine)
+    for key, tensor in expected.items():
+        torch.testing.assert_close(mine[key], tensor, rtol=0, atol=1e-5, msg=key)
 
 
 # ----- refusals, each before any collective -----------------------------------------------------------

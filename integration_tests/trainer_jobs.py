@@ -116,8 +116,8 @@ LAYOUTS = {
         "colwise_parallel": ["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj", "lm_head"],
         "rowwise_parallel": ["*.o_proj", "*.down_proj"],
         "sequence_parallel": ["*layernorm", "model.norm"], "loss_parallel": True}}, {}),
-    # CP peers share a batch too, each computing its half of every sequence
-    "cp2_fsdp2": (DP2, {"fully_shard_parallel_size": 2, "context_parallel_size": 2}, {}),
+    # CP peers share a batch too, each computing its half of every sequence; the loss in chunks (no logits built)
+    "cp2_fsdp2": (DP2, {"fully_shard_parallel_size": 2, "context_parallel_size": 2, "chunk_loss": True}, {}),
 }
 
 

@@ -97,6 +97,8 @@ def run(output_dir: str, case: str, per_device: int, config: dict | None) -> dic
         trainer_cls, extra["fsdp_turbo_config"] = with_fsdp_turbo(trainer_cls), config
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset(case), processing_class=tokenizer(), **extra)
     trainer.train()
+    if case == "lora":  # save_model of a PEFT model: its adapter, in PEFT's format
+        trainer.save_model(f"{output_dir}/adapter")
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     return {"loss": [entry["loss"] for entry in logs], "grad_norm": [entry["grad_norm"] for entry in logs],
             "logged": sorted({key for entry in logs for key in entry}),
