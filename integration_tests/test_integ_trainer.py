@@ -18,8 +18,8 @@ from trainer_jobs import (
     PER_RANK,
     STEPS,
     WORLD,
+    one_process,
     token_dataset,
-    train,
     train_bf16_one_rank,
     train_layouts,
     training_arguments,
@@ -35,7 +35,8 @@ from fsdp_turbo.integrations.transformers import with_fsdp_turbo  # noqa: E402 -
 
 @pytest.mark.multirank
 def test_trainer_at_every_layout_matches_the_one_process_trainer(tmp_path):
-    reference = run_reference(train, str(tmp_path / "one"), PER_RANK * WORLD, None, timeout=300)
+    references = run_reference(one_process, str(tmp_path), timeout=300)
+    reference = references["llama"]
     ranks = run_distributed(train_layouts, WORLD, str(tmp_path), timeout=600)
     assert len(reference["loss"]) == len(reference["grad_norm"]) == STEPS
     for name in LAYOUTS:  # FSDP=4, with accumulation, FSDP2 x TP2 (SP, loss parallel), CP2 x FSDP2
@@ -58,6 +59,11 @@ def test_trainer_at_every_layout_matches_the_one_process_trainer(tmp_path):
     for run in ranks:
         torch.testing.assert_close(run["resumed_at_dp2"]["loss"], reference["loss"], rtol=1e-5, atol=0)
     _assert_same_saved_model(tmp_path / "resumed_at_dp2" / "model", tmp_path / "one" / "model")
+    # a model that returns logits: its loss is core.lm_loss's, the global token mean as the script's own loss function
+    for run in ranks:
+        torch.testing.assert_close(run["logits_fsdp4"]["loss"], references["logits"]["loss"], rtol=1e-5, atol=0)
+        for ours, theirs in zip(run["logits_fsdp4"]["grad_norm"], references["logits"]["grad_norm"], strict=True):
+            assert math.isclose(ours, theirs, rel_tol=0, abs_tol=1e-4), (ours, theirs)
 
 
 def _assert_matches(reference, ranks, name):
@@ -224,19 +230,3 @@ def test_an_eval_set_the_peers_would_trim_unevenly_is_refused():
     check_even_eval_batches(list(range(10)), 4, 4, 4)  # no peers: accelerate trims the last batch right
     with pytest.raises(ConfigError, match=r"eval_dataset='10 rows'.*Fix: evaluate a multiple of .* = 8 rows"):
         check_even_eval_batches(list(range(10)), 4, 2, 4)
-
-
-def test_a_model_that_returns_logits_is_refused_before_sharding(tmp_path):
-    class LogitsModel(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
-
-        def forward(self, input_ids):
-            return self.head(self.embed(input_ids))
-
-    model = LogitsModel()
-    with pytest.raises(ConfigError, match=r"model='LogitsModel'.*forward takes no labels.*core.lm_loss"):
-        with_fsdp_turbo(transformers.Trainer)(model=model, args=training_arguments(str(tmp_path), PER_RANK),
-                                              fsdp_turbo_config={})
-    assert all(type(p) is torch.nn.Parameter for p in model.parameters())  # untouched

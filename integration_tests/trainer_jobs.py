@@ -105,6 +105,70 @@ def train(output_dir: str, per_device: int, config: dict | None, *, resume: str 
     }
 
 
+class TinyLogitsLM(torch.nn.Module):
+    """A model that is not HF's: its forward takes ``tokens`` and returns logits (no labels, no loss)."""
+
+    def __init__(self, hidden: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, hidden)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(),
+            torch.nn.Linear(2 * hidden, hidden)) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        for layer in self.layers:
+            hidden = hidden + layer(hidden)
+        return self.head(hidden)
+
+
+LOGITS_FACTS = {"model_facts": {"blocks": ["layers.*"], "head_module": "head", "token_input": "tokens"}}
+
+
+def logits_dataset():
+    """``token_dataset`` as the logits model names it, every row's first label ignored (the one-process script
+    counts its labels unshifted; then both counts agree)."""
+    rows = token_dataset().rename_column("input_ids", "tokens")
+    return rows.map(lambda row: {"labels": [-100, *row["labels"][1:]]})
+
+
+def shifted_cross_entropy(logits, labels, num_items_in_batch=None):
+    """The one-process script's own loss for the logits model (``Trainer(compute_loss_func=...)``)."""
+    import torch.nn.functional as F  # noqa: N812 - the torch idiom
+
+    targets = labels[:, 1:].flatten()
+    total = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets, ignore_index=-100, reduction="sum")
+    return total / (num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum())
+
+
+def train_logits(output_dir: str, per_device: int, config: dict | None) -> dict:
+    """The logits model for ``STEPS`` steps: in one process with its own loss function, else through
+    ``with_fsdp_turbo``, which computes the loss with ``core.lm_loss``."""
+    from transformers import Trainer
+
+    if config is None:
+        _as_a_plain_process()
+    args = training_arguments(output_dir, per_device, label_names=["labels"])
+    data = {"model": TinyLogitsLM(), "args": args, "train_dataset": logits_dataset()}
+    if config is None:
+        trainer = Trainer(**data, compute_loss_func=shifted_cross_entropy)
+    else:
+        from fsdp_turbo.integrations.transformers import with_fsdp_turbo
+
+        trainer = with_fsdp_turbo(Trainer)(**data, fsdp_turbo_config={**config, **LOGITS_FACTS})
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return {"loss": [entry["loss"] for entry in logs], "grad_norm": [entry["grad_norm"] for entry in logs]}
+
+
+def one_process(output_dir: str) -> dict:
+    """The one-process references: the tiny Llama's Trainer script and the logits model's."""
+    return {"llama": train(f"{output_dir}/one", PER_RANK * WORLD, None),
+            "logits": train_logits(f"{output_dir}/one_logits", PER_RANK * WORLD, None)}
+
+
 # The layouts of one launch, each with the one-process Trainer's global batch of PER_RANK x WORLD rows.
 DP2 = PER_RANK * WORLD // 2  # rows a data shard at two data shards
 LAYOUTS = {
@@ -130,6 +194,7 @@ def train_layouts(output_dir: str) -> dict:
     runs["resumed"] = train(f"{output_dir}/resumed", PER_RANK, FSDP4, resume=checkpoint)
     per_device, config, _ = LAYOUTS["fsdp2_tp2"]
     runs["resumed_at_dp2"] = train(f"{output_dir}/resumed_at_dp2", per_device, config, resume=checkpoint)
+    runs["logits_fsdp4"] = train_logits(f"{output_dir}/logits_fsdp4", PER_RANK, FSDP4)
     return runs
 
 

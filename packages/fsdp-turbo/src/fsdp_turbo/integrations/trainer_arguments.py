@@ -139,20 +139,7 @@ def check_trainer_inputs(model: Any, args: Any, model_init: Any, optimizers: Any
     if not isinstance(model, nn.Module):
         raise ConfigError("model", model if isinstance(model, str) else type(model).__name__,
                           "load the model yourself (e.g. AutoModelForCausalLM.from_pretrained(...)) and pass it")
-    if not _computes_its_loss(model):
-        raise ConfigError("model", type(model).__name__, "pass a model whose forward takes labels and returns its "
-                          "loss (a transformers model), or train this one with FSDPTurbo in your own loop, "
-                          "computing the loss with fsdp_turbo.core.lm_loss",
-                          reason="its forward takes no labels; with_fsdp_turbo does not compute the loss of a model "
-                                 "that returns logits yet")
     if args is None:
         raise ConfigError("args", None, "pass args=TrainingArguments(...) (or the trainer's config class)",
                           reason="the arguments are checked against the FSDPTurbo config before sharding")
 
-
-def _computes_its_loss(model: nn.Module) -> bool:
-    """Whether the Trainer's own loss path applies: the forward takes ``labels`` (or any keyword)."""
-    import inspect
-
-    parameters = inspect.signature(model.forward).parameters.values()
-    return any(p.name == "labels" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)

@@ -16,7 +16,8 @@ with four changes:
 - **Data** (``trainer_data``): each data shard (``dp_rank`` of ``dp_size``), not each process,
   reads its own rows; context- and tensor-parallel peers read the same ones.
 - **Loss**: the global token mean through ``num_items_in_batch``, scaled by the number of data
-  shards (the ranks that share a batch are reported to the Trainer as ``get_tp_size()``).
+  shards (the ranks that share a batch are reported to the Trainer as ``get_tp_size()``); for a
+  model that returns logits, ``core.lm_loss`` (``trainer_loss``).
 - **Checkpoints**: ``save_steps`` write the trainable parameters and their optimizer state with
   DCP (``checkpoint-N/fsdp_turbo_state/``) beside the Trainer's own files, and
   ``resume_from_checkpoint`` reads them at any layout; ``save_model`` writes transformers'
@@ -59,6 +60,7 @@ try:  # transformers is a dependency of the fsdp-turbo package (not of turbo-cor
 
     from fsdp_turbo.integrations.trainer_arguments import check_trainer_inputs, check_training_arguments
     from fsdp_turbo.integrations.trainer_data import check_even_eval_batches, feed_data_shard
+    from fsdp_turbo.integrations.trainer_loss import computes_its_loss, logits_model_loss
     from fsdp_turbo.integrations.trainer_trl import (
         adapter_first,
         check_trl_trainer,
@@ -133,9 +135,18 @@ class FSDPTurboTrainerMixin:
             warn_metrics_not_logged(type(self), config)
         with _checkpoints_allowed(training_args):
             super().__init__(*bound.args, **bound.kwargs)
+        self._returns_logits = not computes_its_loss(self.model)
+        if self._returns_logits:  # its loss is lm_loss's (trainer_loss): the Trainer counts the step's tokens for it,
+            self.model_accepts_loss_kwargs, self._loss_shifts_labels = True, True  # shifted as causal LMs shift
+            if training_args.label_names is None:
+                self.label_names = ["labels"]  # (the forward does not name them, so the Trainer would drop them)
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
+        if self._returns_logits:
+            loss = logits_model_loss(model, inputs, num_items_in_batch,
+                                     self.accelerator.num_processes // self.get_tp_size())
+            return (loss, (loss,)) if return_outputs else loss
         if self._loss_through_model:  # TRL's fused LM head would read around CP, TP or the chunked loss (trainer_trl)
             return transformers.Trainer.compute_loss(self, model, inputs, return_outputs=return_outputs,
                                                      num_items_in_batch=num_items_in_batch)
