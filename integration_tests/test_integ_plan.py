@@ -136,3 +136,30 @@ def test_plan_counts_lora_frozen_bytes_and_qlora_mx_packed_bytes():
         expected["qlora-mx"] += (1 + 1 / 32 if packed else 4) * shard
     assert lora.frozen == math.ceil(expected["lora"]) and qlora.frozen == math.ceil(expected["qlora-mx"])
     assert qlora.frozen < lora.frozen
+
+
+def _kinds(kind):
+    from fsdp_turbo.cli.attention_kinds import classify_attention
+    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+
+    return classify_attention(tiny_hf_causal_lm(kind, device="meta"))
+
+
+def test_attention_kinds_of_gpt_oss_qwen3_next_and_llama():
+    # gpt-oss: layer_types alternate sliding/full, and every attention holds learned sinks
+    assert _kinds("gpt_oss") == {"softmax": ["model.layers.1.self_attn"], "sliding": ["model.layers.0.self_attn"],
+                                 "sinks": ["model.layers.0.self_attn", "model.layers.1.self_attn"]}
+    # qwen3-next: a Gated DeltaNet (linear) layer, then a full softmax one
+    assert _kinds("qwen3_next") == {"softmax": ["model.layers.1.self_attn"], "linear": ["model.layers.0.linear_attn"]}
+    assert _kinds("llama") == {"softmax": ["model.layers.0.self_attn", "model.layers.1.self_attn"]}
+
+
+def test_attention_lines_say_what_each_feature_does_with_each_kind():
+    from fsdp_turbo.cli.attention_kinds import attention_lines
+    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+
+    lines = attention_lines(tiny_hf_causal_lm("gpt_oss", device="meta"))
+    assert lines[0] == "attention kinds:"
+    assert [line.split(":")[0].strip() for line in lines[1:]] == ["softmax", "sliding", "sinks"]
+    assert "cp: refused (model.config.sliding_window)" in lines[2]
+    assert lines[3].startswith("  sinks: model.layers.{0-1}.self_attn (2) -> tp: the sinks split with their heads")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+from fsdp_turbo.cli.attention_kinds import attention_lines
 from fsdp_turbo.cli.job_config import JobConfig
 from fsdp_turbo.cli.model import build_model
 from fsdp_turbo.cli.sizes import default_world_size, job_sizes
@@ -111,6 +112,7 @@ def make_plan(job: JobConfig, world_size: int | None = None, *,
     lines = [f"FSDPTurbo plan: {type(model).__name__}, "
              f"{sum(p.numel() for p in model.parameters()):,} parameters, world size {world}",
              *facts_lines(facts),
+             *attention_lines(model),
              f"mesh: {state.describe()}",
              f"transforms, in order: {', '.join(t.name for t, _ in planned) or 'none'}",
              "ranks:  rank  dp_replicate  fsdp  cp  tp  |  edp  efsdp  ep"]
