@@ -1,0 +1,67 @@
+"""Rank functions for the model families through the features (issue 32): Qwen3-Next and
+Qwen3.5-MoE (Gated DeltaNet + softmax layers, MoE with a shared expert) and DeepSeek-V3 (MLA),
+several layouts in one launch (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+from composed_jobs import matrix_reference_run, matrix_run
+
+# Linear layers and experts in MXFP8 blocks of 32 along K; what cannot take whole blocks (the
+# router-sized shared_expert_gate, in_proj_b/a with 4 outputs) the converter leaves out itself.
+MX_PLAN = {"quant_format": "E4M3", "block_size": 32}
+MOE = ["*mlp.experts"]
+DISPATCHERS = ("eager", "fused", "mc2", "domino")
+
+
+def _ep(dispatcher: str) -> dict:
+    # world 4, EP 2: the experts are also sharded over the other pair (efsdp 2)
+    return {"expert_parallel_size": 2, "ep_plan": {"apply_modules": MOE, "dispatcher": dispatcher}}
+
+
+# DeepSeek-V3 MLA under TP: the up-projections split by head (q_b_proj, kv_b_proj colwise), the
+# output rowwise; the low-rank down-projections (q_a_proj, kv_a_proj_with_mqa) and their norms
+# are replicated (they make the shared latent every head reads).
+MLA_TP = {"fully_shard_parallel_size": 2, "tensor_parallel_size": 2,
+          "tp_plan": {"colwise_parallel": ["*.q_b_proj", "*.kv_b_proj"], "rowwise_parallel": ["*.o_proj"]}}
+
+CASES: dict[str, tuple[str, dict]] = {}
+for _kind in ("qwen3_next", "qwen3_5_moe"):
+    CASES[f"{_kind} fsdp4"] = (_kind, {"fully_shard_parallel_size": 4})
+    for _dispatcher in DISPATCHERS:
+        CASES[f"{_kind} ep2 {_dispatcher}"] = (_kind, _ep(_dispatcher))
+    CASES[f"{_kind} fsdp4 recompute full + chunk loss"] = (_kind, {
+        "fully_shard_parallel_size": 4, "recompute": True, "recompute_policy": "full",
+        "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12}})
+    CASES[f"{_kind} fsdp4 mxfp8"] = (_kind, {"fully_shard_parallel_size": 4, "quantization_plan": MX_PLAN})
+CASES["deepseek_v3 fsdp2 x tp2"] = ("deepseek_v3", MLA_TP)
+CASES["deepseek_v3 fsdp2 x cp2 ulysses"] = ("deepseek_v3", {"fully_shard_parallel_size": 2, "context_parallel_size": 2})
+CASES["deepseek_v3 fsdp2 x cp2 ring"] = ("deepseek_v3", {"fully_shard_parallel_size": 2, "context_parallel_size": 2,
+                                                         "cp_plan": {"mode": "ring"}})
+CASES["deepseek_v3 ep2 fused"] = ("deepseek_v3", _ep("fused"))
+
+
+def reference_runs(kinds: list[str]) -> dict:
+    """The single-process references: each family in fp32, and emulated MX where a case uses it."""
+    out = {}
+    for kind in kinds:
+        out[kind] = matrix_reference_run(kind)
+        if any(k == kind and "quantization_plan" in config for k, config in CASES.values()):
+            out[f"{kind} mx"] = matrix_reference_run(kind, MX_PLAN)
+    return out
+
+
+def families_run(names: list[str]) -> dict:
+    """Each named case in turn on these ranks (one launch for all): its train record."""
+    return {name: matrix_run(*CASES[name])[0] for name in names}
+
+
+def mx_converted(kind: str) -> dict[str, str]:
+    """Module name -> the MX class the converter put there, with ``MX_PLAN`` (one process)."""
+    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+    from fsdp_turbo.fsdp_turbo_config import QuantizeConfig
+    from fsdp_turbo.quantization.converter import convert_model
+
+    model = tiny_hf_causal_lm(kind)
+    convert_model(model, QuantizeConfig(**MX_PLAN))
+    return {name: type(module).__name__ for name, module in model.named_modules()
+            if type(module).__name__.startswith("MX")}

@@ -1,0 +1,75 @@
+"""Model families through the features (issue 32), against the single-process reference,
+float32, 4 AdamW steps: Qwen3-Next and Qwen3.5-MoE (Gated DeltaNet and softmax layers; MoE
+layers with a shared expert) and DeepSeek-V3 (MLA). Every case runs in ONE 4-rank launch
+(about 22 s on 2 cores); each step's loss rtol 1e-5, the first step's gradients rtol 1e-4 /
+atol 1e-6, unless a case states otherwise (MXFP8)."""
+
+import pytest
+import torch
+from families_jobs import CASES, families_run, mx_converted, reference_runs
+
+from fsdp_turbo.cli.plan import compress_names
+from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
+from fsdp_turbo.core.testing.parity import sqnr_db
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.multirank
+
+# MLA under TP: the planner treats every unplanned module with parameters inside the attention
+# as head-local (Qwen3's q_norm), so the latent path (q_a_proj, q_a_layernorm, kv_a_proj_with_mqa,
+# kv_a_layernorm), which every head reads, keeps one TP rank's share of its weight gradients:
+# the norms' gradients measured at 0 dB SQNR, the loss 7.7e-4 off by step 4.
+MLA_TP_BREAKS = pytest.mark.xfail(strict=True, reason="TP plan: the MLA latent path is planned head-local, its "
+                                                      "weight gradients are not summed over TP")
+
+
+@pytest.fixture(scope="module")
+def launch():
+    """One 4-rank launch for every case, and the one-process references."""
+    references = run_reference(reference_runs, sorted({kind for kind, _ in CASES.values()}), timeout=300)
+    return references, run_distributed(families_run, 4, list(CASES), timeout=600)
+
+
+def _case_params():
+    return [pytest.param(name, marks=MLA_TP_BREAKS if name == "deepseek_v3 fsdp2 x tp2" else [])
+            for name, (_, config) in CASES.items() if "quantization_plan" not in config]
+
+
+@pytest.mark.parametrize("case", _case_params())
+def test_family_matches_one_process(launch, case):
+    references, records = launch
+    kind, _ = CASES[case]
+    for record in records:
+        assert_parity(references[kind], record[case], loss_rtol=1e-5, grad_rtol=1e-4, grad_atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe"])
+def test_family_mxfp8(launch, kind):
+    """FSDP=4 with MXFP8 Linear layers and experts, against the one-process emulated-MX model.
+    Converted: the Gated DeltaNet's wide projections, the softmax attention, the shared expert
+    and the experts; left out by the converter: in_proj_b/a (Qwen3.5) and shared_expert_gate,
+    whose outputs are not whole blocks of 32, and the output head. As in the composition
+    matrix: the first loss is exact (rtol 1e-5); expert gradients quantize each expert's tokens,
+    grouped differently on each rank (at least 30 dB SQNR, measured 31.4); other gradients
+    rtol 1e-4 / atol 1e-6; all four losses rtol 2e-3 (measured 3.6e-4)."""
+    converted = mx_converted(kind)
+    assert set(converted.values()) == {"MXLinear", f"MX{type_prefix(kind)}Experts"}
+    names = compress_names(list(converted))
+    assert "model.layers.{0-1}.mlp.experts" in names and "model.layers.{1}.self_attn.q_proj" in names
+    assert not any("shared_expert_gate" in name or "in_proj_b" in name or name == "lm_head" for name in converted)
+    references, records = launch
+    reference = references[f"{kind} mx"]
+    for record in records:
+        candidate = record[f"{kind} fsdp4 mxfp8"]
+        torch.testing.assert_close(candidate.losses[0], reference.losses[0], rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(candidate.losses), torch.tensor(reference.losses), rtol=2e-3, atol=0)
+        assert candidate.grads.keys() == reference.grads.keys()
+        for name, grad in candidate.grads.items():
+            if ".experts." in name:
+                assert sqnr_db(reference.grads[name], grad) >= 30, name
+            else:
+                torch.testing.assert_close(grad, reference.grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def type_prefix(kind: str) -> str:
+    return {"qwen3_next": "Qwen3Next", "qwen3_5_moe": "Qwen3_5Moe"}[kind]
