@@ -169,15 +169,16 @@ CASES: dict[str, Case] = {
         {"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": QKV, "loss_parallel": True}}),
         "tp_plan.loss_parallel"),
     "sequence parallel misses norms": Case("config", lambda _i: _facade(
-        {"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": QKV, "sequence_parallel": ["model.norm"]}}),
-        "every norm"),
+        {"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": QKV, "rowwise_parallel": ["*.o_proj"],
+                                                "sequence_parallel": ["model.norm"]}}), "every norm"),
     "tied weights sharded differently": Case("config", lambda _i: _facade(
         {"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": ["lm_head"]}}, tie_word_embeddings=True),
         "share one parameter"),
     "kv heads do not split over tp": Case("config", lambda _i: _facade(
         {"tensor_parallel_size": 4, "tp_plan": {"colwise_parallel": QKV}}), "num_key_value_heads=2"),
     "heads do not split over tp x cp": Case("config", lambda _i: _facade(
-        {"tensor_parallel_size": 2, "context_parallel_size": 2, "tp_plan": {"colwise_parallel": QKV}},
+        {"tensor_parallel_size": 2, "context_parallel_size": 2,
+         "tp_plan": {"colwise_parallel": QKV, "rowwise_parallel": ["*.o_proj"]}},
         num_attention_heads=6, hidden_size=96), "num_attention_heads=6"),
     "ep without a plan": _moe({"expert_parallel_size": 2}),
     "ep pattern is not experts": Case("config", lambda _i: _facade(
@@ -185,8 +186,9 @@ CASES: dict[str, Case] = {
         "is not an expert container"),
     "ep does not divide the world": _moe({"expert_parallel_size": 3, "ep_plan": {}}),
     "ep beside tp without sequence parallel": Case("config", lambda _i: _facade(
-        {"expert_parallel_size": 2, "ep_plan": {}, "tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": QKV}},
-        "qwen3_moe"), "tp_plan.sequence_parallel"),
+        {"expert_parallel_size": 2, "ep_plan": {}, "tensor_parallel_size": 2,
+         "tp_plan": {"colwise_parallel": QKV, "rowwise_parallel": ["*.o_proj"]}}, "qwen3_moe"),
+        "tp_plan.sequence_parallel"),
     "efsdp does not divide the world": _moe({"expert_parallel_size": 2, "ep_plan": {},
                                              "expert_fully_shard_parallel_size": 3}),
     "cp attention function does not import": Case("config", lambda _i: _facade(

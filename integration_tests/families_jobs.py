@@ -18,12 +18,6 @@ def _ep(dispatcher: str) -> dict:
     return {"expert_parallel_size": 2, "ep_plan": {"apply_modules": MOE, "dispatcher": dispatcher}}
 
 
-# DeepSeek-V3 MLA under TP: the up-projections split by head (q_b_proj, kv_b_proj colwise), the
-# output rowwise; the low-rank down-projections (q_a_proj, kv_a_proj_with_mqa) and their norms
-# are replicated (they make the shared latent every head reads).
-MLA_TP = {"fully_shard_parallel_size": 2, "tensor_parallel_size": 2,
-          "tp_plan": {"colwise_parallel": ["*.q_b_proj", "*.kv_b_proj"], "rowwise_parallel": ["*.o_proj"]}}
-
 CASES: dict[str, tuple[str, dict]] = {}
 for _kind in ("qwen3_next", "qwen3_5_moe"):
     CASES[f"{_kind} fsdp4"] = (_kind, {"fully_shard_parallel_size": 4})
@@ -33,7 +27,6 @@ for _kind in ("qwen3_next", "qwen3_5_moe"):
         "fully_shard_parallel_size": 4, "recompute": True, "recompute_policy": "full",
         "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12}})
     CASES[f"{_kind} fsdp4 mxfp8"] = (_kind, {"fully_shard_parallel_size": 4, "quantization_plan": MX_PLAN})
-CASES["deepseek_v3 fsdp2 x tp2"] = ("deepseek_v3", MLA_TP)
 CASES["deepseek_v3 fsdp2 x cp2 ulysses"] = ("deepseek_v3", {"fully_shard_parallel_size": 2, "context_parallel_size": 2})
 CASES["deepseek_v3 fsdp2 x cp2 ring"] = ("deepseek_v3", {"fully_shard_parallel_size": 2, "context_parallel_size": 2,
                                                          "cp_plan": {"mode": "ring"}})

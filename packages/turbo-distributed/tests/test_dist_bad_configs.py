@@ -59,7 +59,11 @@ CASES = {
                                         "tp_plan": {"colwise_parallel": ["*.q_proj"], "loss_parallel": True}},
                                        "tp_plan.loss_parallel"),
     "sequence_parallel_misses_norms": ({"tensor_parallel_size": 2, "tp_plan": {
-        "colwise_parallel": ["*.q_proj"], "sequence_parallel": ["model.norm"]}}, "tp_plan.sequence_parallel"),
+        "colwise_parallel": ["*.q_proj", "*.k_proj", "*.v_proj"], "rowwise_parallel": ["*.o_proj"],
+        "sequence_parallel": ["model.norm"]}}, "tp_plan.sequence_parallel"),
+    # q split by head and k, v, o left whole beside it: not per head
+    "attention_half_split": ({"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": ["*.q_proj"]}},
+                             "tp_plan.colwise_parallel"),
 }
 EP = {"expert_parallel_size": 2}
 # Expert-parallel cases on a tiny Qwen3-MoE (8 experts): (config, field, model overrides).
@@ -73,7 +77,8 @@ MOE_CASES = {
     "ep_pattern_matches_a_dense_mlp": ({**EP, "ep_plan": {"apply_modules": ["model.layers.*.mlp"]}},
                                        "ep_plan.apply_modules", None),
     "ep_with_tp_but_no_sequence_parallel": ({**EP, "ep_plan": {}, "tensor_parallel_size": 2,
-                                             "tp_plan": {"colwise_parallel": ["*.q_proj"]}},
+                                             "tp_plan": {"colwise_parallel": ["*.q_proj", "*.k_proj", "*.v_proj"],
+                                                         "rowwise_parallel": ["*.o_proj"]}},
                                             "tp_plan.sequence_parallel", None),
     "efsdp_does_not_divide_world": ({**EP, "ep_plan": {}, "expert_fully_shard_parallel_size": 3},
                                     "expert_fully_shard_parallel_size", None),

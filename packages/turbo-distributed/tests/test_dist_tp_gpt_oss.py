@@ -79,3 +79,14 @@ def test_gpt_oss_fsdp2_x_tp2_with_sequence_parallel():
         assert_parity(expected, record, **TOLERANCES)
         assert facts["dtensor"]["model.layers.0.self_attn.sinks"]
         assert "Shard(dim=0)" in facts["placements"]["model.layers.0.self_attn.sinks"]
+
+
+def test_mla_attention_under_tp_is_refused_naming_its_latent_projection():
+    """DeepSeek-V3's MLA: q_b_proj / kv_b_proj split by head, but q_a_proj and kv_a_proj_with_mqa are not per head
+    (the latent, and the rotary key every head reads). Planned as head-local, their gradients held one rank's heads
+    only (the latent norms' gradients at 0 dB SQNR against one process): refused by name at plan time instead."""
+    model = tiny_hf_causal_lm("deepseek_v3")
+    plan = TPPlanConfig(colwise_parallel=["*.q_b_proj", "*.kv_b_proj"], rowwise_parallel=["*.o_proj"])
+    with pytest.raises(ConfigError, match=r"tp_plan.colwise_parallel='model.layers.0.self_attn'.*"
+                                          r"model.layers.0.self_attn.q_a_proj is a Linear.*Fix: leave"):
+        resolve_tp_plan(model, plan, 2, resolve_model_facts(model))

@@ -40,7 +40,7 @@ def test_llama_without_sp_replicates_the_norms():
 
 
 def test_sp_without_a_sharded_head_gathers_before_it():
-    plan = TPPlanConfig(colwise_parallel=["*.q_proj"], rowwise_parallel=["*.o_proj"],
+    plan = TPPlanConfig(colwise_parallel=["*.q_proj", "*.k_proj", "*.v_proj"], rowwise_parallel=["*.o_proj"],
                         sequence_parallel=["*layernorm", "model.norm"])
     assert _resolve(tiny_hf_causal_lm("llama"), plan).kinds["lm_head"] == "gather_replicate"
 
@@ -55,7 +55,10 @@ def test_tied_embeddings_are_recorded():
 @pytest.mark.parametrize("plan,message", [
     (TPPlanConfig(colwise_parallel=["model.layers.*.mlp"]), "which tensor parallel cannot shard"),
     (TPPlanConfig(colwise_parallel=["*.q_proj"], loss_parallel=True), "output head"),
-    (TPPlanConfig(colwise_parallel=["*.q_proj"], sequence_parallel=["model.norm"]), "every norm"),
+    (TPPlanConfig(colwise_parallel=["*.q_proj", "*.k_proj", "*.v_proj"], rowwise_parallel=["*.o_proj"],
+                  sequence_parallel=["model.norm"]), "every norm"),
+    # q split by head, k and v left whole beside it: not per head, refused by name
+    (TPPlanConfig(colwise_parallel=["*.q_proj"]), r"self_attn.k_proj is a Linear of LlamaAttention"),
 ])
 def test_bad_plans(plan, message):
     with pytest.raises(ConfigError, match=message):

@@ -314,6 +314,7 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
     head_local = [name for name, module in model.named_modules()
                   if name and keep(name, module) and name not in planned and _parent(name) in hook_parents
                   and _own_params(module) and not _children_own_params(module)]
+    _refuse_unplanned_projections(model, head_local)
     head_name = facts.head
     styles: dict[str, StyleChoice] = {}
     for name in hook_parents:
@@ -361,6 +362,25 @@ def _head_counts(module: nn.Module, facts: ModelFacts) -> set[int]:
     counts |= {getattr(module, attribute, None) for attribute in ("num_heads", "num_attention_heads",
                                                                   "num_key_value_heads")}
     return {count for count in counts if isinstance(count, int)}
+
+
+def _refuse_unplanned_projections(model: nn.Module, head_local: list[str]) -> None:
+    """Beside the split projections of an attention, the modules no plan names run per head on
+    this rank's heads (Qwen3's ``q_norm``). A Linear there is not per head: it reads every head
+    (an output projection left whole), or it reads the attention's input and what it computes
+    reaches every head by another path than a split projection (MLA's ``q_a_proj`` /
+    ``kv_a_proj_with_mqa``, whose rotary key every head reads; a ``k_proj`` left whole beside a
+    split ``q_proj``), so its gradient would hold one rank's heads only. Refused by name rather
+    than trained wrong."""
+    for name in head_local:
+        module = model.get_submodule(name)
+        if isinstance(module, nn.Linear):
+            attention = _parent(name)
+            raise ConfigError("tp_plan.colwise_parallel", attention,
+                              f"leave {attention}'s projections out of tp_plan (split the MLP or the experts only)",
+                              reason=f"{name} is a Linear of {type(model.get_submodule(attention)).__name__} "
+                                     "that the TP plan leaves whole beside split projections: it is not per head "
+                                     "(it reads or feeds every head), so its gradient would hold one rank's heads")
 
 
 def _head_parameters(name: str, module: nn.Module, tp: int, facts: ModelFacts) -> tuple[tuple[str, int], ...]:
