@@ -8,7 +8,7 @@ import pytest
 import torch
 from families_jobs import CASES, families_run, mx_converted, reference_runs
 
-from fsdp_turbo.cli.plan import compress_names
+from fsdp_turbo.cli.names import compress_names
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 from fsdp_turbo.core.testing.parity import sqnr_db
 

@@ -11,7 +11,8 @@ from cli_jobs import measured_model_state
 
 from fsdp_turbo.cli.job_config import JobConfig
 from fsdp_turbo.cli.main import main
-from fsdp_turbo.cli.plan import compress_names, make_plan
+from fsdp_turbo.cli.names import compress_names
+from fsdp_turbo.cli.plan import make_plan
 from fsdp_turbo.core.testing import run_distributed
 
 pytest.importorskip("transformers")

@@ -13,6 +13,8 @@ from typing import Any
 
 from torch import nn
 
+from fsdp_turbo.cli.names import compress_names
+
 # a token mixer by its class: transformers names its softmax attentions ``...Attention`` and its
 # linear ones after the form (``Qwen3NextGatedDeltaNet``, ``...LinearAttention``)
 _LINEAR_CLASS = re.compile(r"(DeltaNet|LinearAttention|Mamba)$")
@@ -90,8 +92,6 @@ def classify_attention(model: nn.Module) -> dict[str, list[str]]:
 def attention_lines(model: nn.Module) -> list[str]:
     """The ``attention kinds`` block of the plan: one line per kind the model holds, its modules
     (``compress`` folds numbered names) and what each feature does with it."""
-    from fsdp_turbo.cli.plan import compress_names
-
     kinds = classify_attention(model)
     if not kinds:
         return ["attention kinds: none found (no module class named ...Attention or a linear form)"]

@@ -10,12 +10,10 @@ package: everything it shows comes from the plans' ``describe()`` and ``estimate
 
 from __future__ import annotations
 
-import re
-from collections import defaultdict
-
 from fsdp_turbo.cli.attention_kinds import attention_lines
 from fsdp_turbo.cli.job_config import JobConfig
 from fsdp_turbo.cli.model import build_model
+from fsdp_turbo.cli.names import compress_names
 from fsdp_turbo.cli.sizes import default_world_size, job_sizes
 from fsdp_turbo.core.device import detect_device_type
 from fsdp_turbo.core.errors import ConfigError
@@ -27,25 +25,6 @@ from fsdp_turbo.core.topology import NodeLayout, cross_node_warnings, placement
 from fsdp_turbo.fsdp_turbo import model_facts, plan_transforms
 
 MIB = 2**20
-
-
-def compress_names(names: list[str]) -> list[str]:
-    """``model.layers.0.mlp``, ``model.layers.1.mlp`` -> ``model.layers.{0-1}.mlp``."""
-    groups: dict[str, list[int]] = defaultdict(list)
-    singles = []
-    for name in names:
-        numbers = re.findall(r"(?<=\.)\d+(?=\.|$)", name)
-        if len(numbers) != 1:
-            singles.append(name)
-            continue
-        groups[re.sub(r"(?<=\.)\d+(?=\.|$)", "{}", name)].append(int(numbers[0]))
-    out = []
-    for template, indices in groups.items():
-        indices = sorted(indices)
-        contiguous = indices == list(range(indices[0], indices[-1] + 1))
-        spec = f"{indices[0]}-{indices[-1]}" if contiguous and len(indices) > 1 else ",".join(map(str, indices))
-        out.append(template.replace("{}", "{" + spec + "}"))
-    return out + singles
 
 
 def node_layout(job: JobConfig, world_size: int | None, nnodes: int | None,
