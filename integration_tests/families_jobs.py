@@ -31,6 +31,14 @@ CASES["deepseek_v3 fsdp2 x cp2 ulysses"] = ("deepseek_v3", {"fully_shard_paralle
 CASES["deepseek_v3 fsdp2 x cp2 ring"] = ("deepseek_v3", {"fully_shard_parallel_size": 2, "context_parallel_size": 2,
                                                          "cp_plan": {"mode": "ring"}})
 CASES["deepseek_v3 ep2 fused"] = ("deepseek_v3", _ep("fused"))
+# gpt-oss: sliding-window layers (window 8 of 16 tokens) beside full ones, and per-head sinks in both
+CASES["gpt_oss fsdp2 x cp2 ulysses"] = ("gpt_oss", {"fully_shard_parallel_size": 2, "context_parallel_size": 2})
+CASES["gpt_oss fsdp2 x cp2 ring"] = ("gpt_oss", {"fully_shard_parallel_size": 2, "context_parallel_size": 2,
+                                                 "cp_plan": {"mode": "ring"}})
+CASES["gpt_oss cp4 ring contiguous"] = ("gpt_oss", {"context_parallel_size": 4,
+                                                    "cp_plan": {"mode": "ring", "load_balance": False}})
+CASES["gpt_oss cp4 hybrid"] = ("gpt_oss", {"context_parallel_size": 4,
+                                           "cp_plan": {"mode": "hybrid", "ulysses_size": 2}})
 
 
 def reference_runs(kinds: list[str]) -> dict:

@@ -162,5 +162,5 @@ def test_attention_lines_say_what_each_feature_does_with_each_kind():
     lines = attention_lines(tiny_hf_causal_lm("gpt_oss", device="meta"))
     assert lines[0] == "attention kinds:"
     assert [line.split(":")[0].strip() for line in lines[1:]] == ["softmax", "sliding", "sinks"]
-    assert "cp: refused (model.config.sliding_window)" in lines[2]
-    assert lines[3].startswith("  sinks: model.layers.{0-1}.self_attn (2) -> tp: the sinks split with their heads")
+    assert "cp: masked by the window (ulysses), unseen tiles skipped (ring, hybrid)" in lines[2]
+    assert lines[3].startswith("  sinks: model.layers.{0-1}.self_attn (2) -> cp: split with the heads (ulysses)")

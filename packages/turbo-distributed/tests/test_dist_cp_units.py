@@ -105,3 +105,26 @@ def test_zigzag_tiles_one_kernel_call_per_off_diagonal_block():
                 q, k = positions[rank][tile.q], positions[source][tile.k]
                 pairs |= {(int(a), int(b)) for a in q for b in k if not tile.causal or b <= a}
         assert pairs == {(a, b) for a in positions[rank].tolist() for b in range(32) if b <= a}
+
+
+def test_a_sliding_window_skips_the_tiles_out_of_reach():
+    """Contiguous chunks of 8 at CP=4, a window of 4: each rank's queries see only its own
+    chunk (causal, the window cutting its lower corner: one masked tile) and the previous
+    rank's last 3 keys (one masked tile); the two blocks further back are skipped. Together
+    the tiles cover exactly the pairs the window allows."""
+    from fsdp_turbo.distributed.context_parallel.context import ForwardContext
+    from fsdp_turbo.distributed.context_parallel.ring import ring_tiles
+    from fsdp_turbo.distributed.context_parallel.ring_math import chunk_positions
+
+    positions = [chunk_positions(32, 4, r, False) for r in range(4)]
+    for rank in range(4):
+        blocks = ring_tiles(ForwardContext(32, ring_positions=positions), rank, torch.device("cpu"), window=4)
+        assert [len(tiles) for tiles in blocks] == [int(source in (rank, rank - 1)) for source in range(4)]
+        pairs = set()
+        for source, tiles in enumerate(blocks):
+            for tile in tiles:
+                q, k = positions[rank][tile.q], positions[source][tile.k]
+                allowed = tile.mask[0, 0] if tile.mask is not None else torch.ones(len(q), len(k), dtype=torch.bool)
+                pairs |= {(int(a), int(b)) for i, a in enumerate(q) for j, b in enumerate(k)
+                          if allowed[i, j] and (not tile.causal or b <= a)}
+        assert pairs == {(a, b) for a in positions[rank].tolist() for b in range(32) if 0 <= a - b < 4}

@@ -1,12 +1,13 @@
 """Ring attention on 4 gloo ranks against one full attention: outputs and gradients of
-every chunk, with zig-zag and contiguous chunks, and with packed documents (float32)."""
+every chunk, with zig-zag and contiguous chunks, with packed documents, and with a sliding
+window and attention sinks (float32)."""
 
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 
 from fsdp_turbo.core.testing import run_distributed
-from fsdp_turbo.distributed.context_parallel.ring import ring_attention
+from fsdp_turbo.distributed.context_parallel.ring import ring_attention, ring_steps
 from fsdp_turbo.distributed.context_parallel.ring_math import chunk_positions, visible
 
 pytestmark = pytest.mark.multirank
@@ -19,22 +20,33 @@ def _inputs():
     return [torch.randn(2, 2, SEQ, 8, generator=generator) for _ in range(4)]
 
 
-def _rank(load_balance: bool, packed: bool):
+SINKS = torch.tensor([0.5, -1.0])  # one logit per head (gpt-oss), joined to every row with value 0
+
+
+def _rank(load_balance: bool, packed: bool, window: int | None = None, sinks: bool = False):
     import torch.distributed as dist
 
     rank = dist.get_rank()
     q, k, v, grad_out = _inputs()
-    mine = chunk_positions(SEQ, CP, rank, load_balance)
+    positions = [chunk_positions(SEQ, CP, source, load_balance) for source in range(CP)]
+    mine = positions[rank]
     documents = DOCUMENTS if packed else None
     masks = []
-    for source in range(CP):
-        theirs = chunk_positions(SEQ, CP, source, load_balance)
+    for theirs in positions:
         docs = (documents[:, mine], documents[:, theirs]) if packed else (None, None)
-        masks.append(visible(mine, theirs, *docs))
+        masks.append(visible(mine, theirs, *docs, window=window))
     leaves = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*leaves, 8 ** -0.5, masks, dist.group.WORLD)
+    sink = SINKS.clone().requires_grad_() if sinks else None
+    out = ring_attention(*leaves, 8 ** -0.5, masks, dist.group.WORLD, sinks=sink, steps=ring_steps(positions, window))
     out.backward(grad_out[:, :, mine])
-    return mine, out.detach(), [t.grad for t in leaves]
+    return mine, out.detach(), [t.grad for t in leaves], None if sink is None else sink.grad
+
+
+def _full_attention_with_sinks(q, k, v, mask, sinks):
+    """gpt-oss's eager attention: the sink logit as one more column of the scores, dropped after the softmax."""
+    scores = (q @ k.transpose(-1, -2) * 8 ** -0.5).masked_fill(~mask, float("-inf"))
+    column = sinks[None, :, None, None].expand(*scores.shape[:3], 1)
+    return torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1] @ v
 
 
 @pytest.mark.parametrize(("load_balance", "packed"), [(True, False), (False, False), (True, True)])
@@ -44,10 +56,34 @@ def test_ring_attention_equals_full_attention(load_balance, packed):
     mask = visible(torch.arange(SEQ), torch.arange(SEQ), DOCUMENTS, DOCUMENTS) if packed else None
     expected = F.scaled_dot_product_attention(*leaves, attn_mask=mask, is_causal=not packed)
     expected.backward(grad_out)
-    for mine, out, grads in run_distributed(_rank, CP, load_balance, packed, timeout=120):
+    for mine, out, grads, _ in run_distributed(_rank, CP, load_balance, packed, timeout=120):
         torch.testing.assert_close(out, expected.detach()[:, :, mine], rtol=1e-5, atol=1e-6)
         for got, leaf in zip(grads, leaves, strict=True):
             torch.testing.assert_close(got, leaf.grad[:, :, mine], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("load_balance", [True, False])
+def test_ring_attention_with_a_sliding_window_and_sinks_equals_full_attention(load_balance):
+    """A window of 6 over chunks of 4 (zig-zag: every step still has a visible block) or 8
+    (contiguous: only the previous rank's chunk is in reach, so the ring stops after 2 steps
+    and the dK/dV sums go home from there), with per-head sinks: output, dQ/dK/dV and the
+    sinks' gradient (each rank's share, summed) equal one full attention."""
+    window = 6
+    positions = [chunk_positions(SEQ, CP, rank, load_balance) for rank in range(CP)]
+    assert ring_steps(positions, window) == (CP if load_balance else 2)
+    assert ring_steps(positions, None) == CP
+    q, k, v, grad_out = _inputs()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    sinks = SINKS.clone().requires_grad_()
+    mask = visible(torch.arange(SEQ), torch.arange(SEQ), window=window)
+    expected = _full_attention_with_sinks(*leaves, mask, sinks)
+    expected.backward(grad_out)
+    results = run_distributed(_rank, CP, load_balance, False, window, True, timeout=120)
+    for mine, out, grads, _ in results:
+        torch.testing.assert_close(out, expected.detach()[:, :, mine], rtol=1e-5, atol=1e-6)
+        for got, leaf in zip(grads, leaves, strict=True):
+            torch.testing.assert_close(got, leaf.grad[:, :, mine], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sum(r[3] for r in results), sinks.grad, rtol=1e-5, atol=1e-6)
 
 
 class _Logged:
@@ -70,10 +106,10 @@ def _rank_events():
     log, exchange, call_op = [], ring._exchange, ring.call_op
     labels = iter(range(10**6))
 
-    def logged_exchange(tensors, group):
+    def logged_exchange(tensors, group, hops=1):
         label = next(labels)
         log.append(("start", label))
-        received, requests = exchange(tensors, group)
+        received, requests = exchange(tensors, group, hops)
         return received, [_Logged(r, log, label) for r in requests]
 
     def logged_op(name, *args):

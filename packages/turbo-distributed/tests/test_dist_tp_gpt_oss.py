@@ -1,6 +1,7 @@
 """gpt-oss (attention sinks, sliding-window layers) under tensor parallel: the per-head
 sinks split with their heads; a per-head parameter the planner does not know is refused at
-plan time; context parallel refuses the sliding-window layers naming the window.
+plan time. Context parallel plans the sliding-window layers (each must pass its window on
+the first forward; its parity is in integration_tests/test_integ_families.py).
 
 Parity: FSDP=2 x TP=2 with sequence parallel, 4 AdamW steps in float32 against one process
 (losses rtol 1e-5, first-step gradients rtol 1e-4 / atol 1e-6)."""
@@ -14,9 +15,11 @@ from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.model_facts import resolve_model_facts
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
-from fsdp_turbo.distributed.context_parallel import resolve_cp_target
+from fsdp_turbo.distributed.context_parallel.context import CPState, ForwardContext
+from fsdp_turbo.distributed.context_parallel.inputs import _prove_the_wrapper_ran
+from fsdp_turbo.distributed.context_parallel.transform import plan_context_parallel
 from fsdp_turbo.distributed.tensor_parallel import resolve_tp_plan
-from fsdp_turbo.fsdp_turbo_config import TPPlanConfig
+from fsdp_turbo.fsdp_turbo_config import CPPlanConfig, TPPlanConfig
 
 pytest.importorskip("transformers")
 
@@ -58,14 +61,28 @@ def test_a_known_per_head_parameter_must_split_evenly():
         _resolve(model, tp=4)
 
 
-def test_context_parallel_names_the_sliding_window_and_its_value():
-    model = tiny_hf_causal_lm("gpt_oss", sliding_window=2)
+def test_context_parallel_plans_the_sliding_window_layers():
+    model = tiny_hf_causal_lm("gpt_oss")
+    for mode in ("ulysses", "ring"):
+        plan = plan_context_parallel(model, CPPlanConfig(mode=mode), 2, resolve_model_facts(model))
+        assert plan.sliding_layers == (0,)
+        rows = {row.label: row.names for row in plan.describe()}
+        skipped = ", unseen tiles skipped" if mode == "ring" else ""
+        assert rows["cp_plan (sliding window)"] == (f"layers [0]: masked by their window{skipped}",)
+
+
+def test_a_sliding_layer_that_does_not_pass_its_window_is_refused_on_the_first_forward():
+    """An attention that drops its window would attend over the whole sequence under CP: the
+    first forward's check counts the calls that carried one (no collective involved)."""
+    state = CPState(None, 2, 0, attention_layers=2, sliding_layers=1,
+                    current=ForwardContext(16, attention_calls=2, sliding_calls=0))
     with pytest.raises(ConfigError) as caught:
-        resolve_cp_target(model, None, resolve_model_facts(model))
-    error = caught.value
-    assert (error.field, error.value) == ("model.config.sliding_window", 2)
-    assert "model.config.sliding_window=2 is invalid" in str(error) and "context_parallel_size=1" in error.fix
-    assert "layers [0]" in error.reason and "window of 2 tokens" in error.reason
+        _prove_the_wrapper_ran(state)
+    assert (caught.value.field, caught.value.value) == ("model.config.sliding_window", "not passed")
+    assert "declares 1 sliding-window layers, but only 0 passed their window" in caught.value.reason
+    state.current.sliding_calls = 1
+    _prove_the_wrapper_ran(state)
+    assert state.proven
 
 
 @pytest.mark.multirank

@@ -26,8 +26,8 @@ KINDS = ("softmax", "sliding", "sinks", "linear")
 # What each feature does with each kind (as the feature packages implement it today).
 FEATURE_EFFECTS = {
     "softmax": "cp: ulysses, ring or hybrid; tp: heads split by tp_plan",
-    "sliding": "cp: refused (model.config.sliding_window); tp: heads split by tp_plan",
-    "sinks": "tp: the sinks split with their heads; cp ring: refused (s_aux)",
+    "sliding": "cp: masked by the window (ulysses), unseen tiles skipped (ring, hybrid); tp: heads split by tp_plan",
+    "sinks": "cp: split with the heads (ulysses), joined once per row (ring); tp: the sinks split with their heads",
     "linear": "cp: ulysses only (ring/hybrid refused; tensor_parallel_size must be 1); tp: only what tp_plan names",
 }
 

@@ -15,10 +15,12 @@ class ForwardContext:
     padding_mask: torch.Tensor | None = None  # [B, seq_len] bool, True = a real token, or None
     documents: torch.Tensor | None = None  # [B, seq_len] packed-document index of each token, or None
     attention_calls: int = 0  # how many attention layers ran through the Ulysses wrapper
+    sliding_calls: int = 0  # how many of them passed a sliding_window (HF's argument)
     linear_calls: int = 0  # how many linear-attention layers ran through theirs
     # ring / hybrid: the global positions (in the padded sequence) of each ring member's tokens
     ring_positions: list[torch.Tensor] | None = None
-    ring_tiles: list | None = None  # per source rank, its Tiles: built by the first attention layer, reused
+    # per window (None: full causal), per source rank, its Tiles: built by the first layer of each, reused
+    ring_tiles: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -30,6 +32,7 @@ class CPState:
     rank: int
     current: ForwardContext | None = field(default=None)
     attention_layers: int = 0  # the wrapper must run this many times a forward (0: not checked)
+    sliding_layers: int = 0  # of which this many with the window the config declares (layer_types)
     linear_layers: int = 0  # the linear-attention forward must run this many times a forward
     mode: str = "ulysses"  # "ring" or "hybrid"
     load_balance: bool = True  # ring / hybrid: zig-zag chunks over the ring

@@ -58,6 +58,9 @@ class CPPlan(FeaturePlan):
     ulysses_size: int = 0  # hybrid: the Ulysses ranks inside each ring member
     inputs: InputNames = field(default_factory=InputNames)  # the forward arguments split, and given positions
     linear_layers: tuple[LinearAttentionLayer, ...] = ()  # run by Ulysses' linear-attention forward
+    # HF models: the layers model.config.layer_types declares sliding-window; each must pass
+    # its window to the wrapper (checked on the first forward), which masks by it
+    sliding_layers: tuple[int, ...] = ()
 
     def describe(self) -> tuple[PlanRow, ...]:
         chunks = "zig-zag chunks" if self.load_balance else "contiguous chunks"
@@ -69,6 +72,10 @@ class CPPlan(FeaturePlan):
         else:
             how = self.target.describe()
         rows = [PlanRow("cp_plan (attention)", (how,))]
+        if self.sliding_layers:
+            rows.append(PlanRow("cp_plan (sliding window)", (f"layers {list(self.sliding_layers)}: masked by their "
+                                                             "window" + (", unseen tiles skipped"
+                                                                         if self.mode != "ulysses" else ""),)))
         if self.linear_layers:
             first = self.linear_layers[0]
             more = f" (and {len(self.linear_layers) - 1} more)" if len(self.linear_layers) > 1 else ""
@@ -82,30 +89,16 @@ class CPPlan(FeaturePlan):
         memory.tokens //= self.size  # each rank holds 1/cp of the sequence outside attention
 
 
-def _hf_sliding_layers(config: Any) -> list[int]:
+def hf_sliding_layers(config: Any) -> tuple[int, ...]:
     """The indices of the layers the HF config declares sliding-window (``layer_types``)."""
     layer_types = getattr(config, "layer_types", None) or ()
-    return [index for index, kind in enumerate(layer_types) if "sliding" in str(kind)]
-
-
-def _check_no_sliding_window(config: Any) -> None:
-    # The field named is the model's own: context_parallel_size is not known here (the
-    # caller checks the sizes), and the window is what CP cannot honour yet.
-    sliding = _hf_sliding_layers(config)
-    if sliding:
-        window = getattr(config, "sliding_window", None)
-        raise ConfigError("model.config.sliding_window", window,
-                          "use context_parallel_size=1 for this model (context parallel does not support "
-                          "sliding-window layers yet)",
-                          reason=f"layers {sliding} attend within a sliding window of {window} tokens "
-                                 "(model.config.layer_types), and the context-parallel wrapper builds full "
-                                 "causal masks only")
+    return tuple(index for index, kind in enumerate(layer_types) if "sliding" in str(kind))
 
 
 def _check_ring_can_compute(config: Any, mode: str) -> None:
     """The ring computes attention itself (``ring_math``): plain softmax attention with a
-    causal, padding and document mask. What the model's own attention would add, it refuses
-    here, before anything is sent (sliding windows are refused for every mode below)."""
+    causal, padding and document mask, a sliding window and attention sinks. What else the
+    model's own attention would add, it refuses here, before anything is sent."""
     dropout = getattr(config, "attention_dropout", 0.0) or 0.0
     if dropout > 0:
         raise ConfigError("cp_plan.mode", mode, "set the model's attention_dropout to 0, or use mode 'ulysses'",
@@ -156,7 +149,6 @@ def resolve_cp_target(model: nn.Module, plan: CPPlanConfig | None, facts: ModelF
                                  f"of the {implementation!r} attention")
     if mode != "ulysses":
         _check_ring_can_compute(config, mode)
-    _check_no_sliding_window(config)
     if getattr(config, "is_encoder_decoder", False):
         raise ConfigError("model", type(model).__name__, "use a decoder-only model with context parallel",
                           reason="encoder-decoder models are not supported")

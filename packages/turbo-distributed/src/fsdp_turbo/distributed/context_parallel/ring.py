@@ -35,15 +35,17 @@ import torch.distributed as dist
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.ops import call_op
 from fsdp_turbo.distributed.context_parallel.ring_kernels import BACKWARD, FORWARD
-from fsdp_turbo.distributed.context_parallel.ring_math import merge, visible
+from fsdp_turbo.distributed.context_parallel.ring_math import merge, sink_grad, visible
 
 
-def _exchange(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[list[torch.Tensor], list]:
-    """Start sending ``tensors`` to the next rank and receiving the previous rank's; returns
-    the receive buffers and the requests to wait on."""
+def _exchange(tensors: list[torch.Tensor], group: dist.ProcessGroup, hops: int = 1
+              ) -> tuple[list[torch.Tensor], list]:
+    """Start sending ``tensors`` ``hops`` ranks on and receiving those of the rank ``hops``
+    back (1: the next and the previous rank); returns the receive buffers and the requests
+    to wait on."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    to_rank = dist.get_global_rank(group, (rank + 1) % size)
-    from_rank = dist.get_global_rank(group, (rank - 1) % size)
+    to_rank = dist.get_global_rank(group, (rank + hops) % size)
+    from_rank = dist.get_global_rank(group, (rank - hops) % size)
     tensors = [t.contiguous() for t in tensors]  # P2P buffers must be contiguous, both ends
     received = [torch.empty_like(t) for t in tensors]
     ops = [dist.P2POp(dist.isend, t, to_rank, group) for t in tensors]
@@ -89,18 +91,24 @@ class RingAttention(torch.autograd.Function):
     chunk ``[B, H, S/cp, D]``, k and v ``[B, H_kv, S/cp, D]`` (H a multiple of H_kv: the
     ring carries K/V heads, not their GQA copies). ``blocks[source]`` says how this rank's
     queries see rank ``source``'s keys: a list of ``Tile``s (what is not in a tile is
-    masked), or one mask (None: all visible)."""
+    masked), or one mask (None: all visible). ``sinks``: one logit per head joined to every
+    row (gpt-oss), or None. ``steps``: the chunks travel this many hops less one (a sliding
+    window needs fewer than the ring's size; every rank passes the same number)."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                blocks: list, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                scale: float, blocks: list, group: dist.ProcessGroup, steps: int | None = None) -> torch.Tensor:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
+        steps = steps or size
         groups = q.shape[1] // k.shape[1]
         out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=q.dtype, device=q.device)
+        if sinks is None:
+            lse = torch.full(q.shape[:3], float("-inf"), dtype=q.dtype, device=q.device)
+        else:  # the sink is the first partial of every row: output 0, lse its logit
+            lse = sinks.to(q.dtype)[None, :, None].expand(q.shape[:3]).clone()
         current = [k, v]
-        for step in range(size):
-            pending = _exchange(current, group) if step + 1 < size else None
+        for step in range(steps):
+            pending = _exchange(current, group) if step + 1 < steps else None
             keys, values = _expand(current[0], groups), _expand(current[1], groups)
             for tile in _tiles(blocks[(rank - step) % size]):
                 block_out, block_lse = call_op(FORWARD, q.device.type, q[:, :, tile.q], keys[:, :, tile.k],
@@ -112,24 +120,24 @@ class RingAttention(torch.autograd.Function):
                 for request in requests:
                     request.wait()
                 current = received
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.blocks, ctx.group = scale, blocks, group
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.scale, ctx.blocks, ctx.group, ctx.steps = scale, blocks, group, steps
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, blocks, scale = ctx.group, ctx.blocks, ctx.scale
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        group, blocks, scale, steps = ctx.group, ctx.blocks, ctx.scale, ctx.steps
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         groups = q.shape[1] // k.shape[1]
         grad_q = torch.zeros_like(q)
         current = [k, v]
         incoming = None  # the dK/dV sums of the chunk held next step, on their way from rank - 1
-        for step in range(size):
+        for step in range(steps):
             # The next K/V chunk travels while this block's gradients are computed, and the
             # sums sent last step travel while this block is: neither transfer is waited on
             # before the work that hides it is done.
-            pending = _exchange(current, group) if step + 1 < size else None
+            pending = _exchange(current, group) if step + 1 < steps else None
             keys, values = _expand(current[0], groups), _expand(current[1], groups)
             grad_k, grad_v = torch.zeros_like(current[0]), torch.zeros_like(current[1])
             for tile in _tiles(blocks[(rank - step) % size]):
@@ -144,8 +152,10 @@ class RingAttention(torch.autograd.Function):
                 for request in requests:
                     request.wait()
                 grad_k, grad_v = grad_k + received[0], grad_v + received[1]
-            # every hop, the last one included: after it each chunk's sums are home, complete
-            incoming = _exchange([grad_k, grad_v], group)
+            # every hop, the last one included: after it each chunk's sums are home, complete (a
+            # shortened ring sends them home from the last rank that held the chunk: steps - 1 back)
+            last = step + 1 == steps
+            incoming = _exchange([grad_k, grad_v], group, hops=(1 - steps) % size if last else 1)
             if pending is not None:
                 received, requests = pending
                 for request in requests:
@@ -154,12 +164,14 @@ class RingAttention(torch.autograd.Function):
         received, requests = incoming
         for request in requests:
             request.wait()
-        return grad_q, received[0], received[1], None, None, None
+        grad_sinks = None if sinks is None else sink_grad(sinks.to(q.dtype), out, lse, grad_out).to(sinks.dtype)
+        return grad_q, received[0], received[1], grad_sinks, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                   blocks: list, group: dist.ProcessGroup) -> torch.Tensor:
-    return RingAttention.apply(q, k, v, scale, blocks, group)
+                   blocks: list, group: dist.ProcessGroup, sinks: torch.Tensor | None = None,
+                   steps: int | None = None) -> torch.Tensor:
+    return RingAttention.apply(q, k, v, sinks, scale, blocks, group, steps)
 
 
 def _runs(positions: torch.Tensor) -> list[slice]:
@@ -174,25 +186,36 @@ def _lower(part: torch.Tensor) -> torch.Tensor:
     return square.expand_as(part)
 
 
+def _ends(positions: torch.Tensor, run: slice) -> tuple[int, int]:
+    return int(positions[run][0]), int(positions[run][-1])
+
+
+def _unseen(q_ends: tuple[int, int], k_ends: tuple[int, int], window: int | None) -> bool:
+    """No query of the run sees any key of the other: every key comes later, or (a sliding
+    window) every key lies ``window`` or more positions before every query."""
+    (q_first, q_last), (k_first, k_last) = q_ends, k_ends
+    return k_first > q_last or (window is not None and q_first - k_last >= window)
+
+
 def _tile(q_run: slice, k_run: slice, mine: torch.Tensor, theirs: torch.Tensor, context,
-          device: torch.device) -> Tile | None:
+          device: torch.device, window: int | None = None) -> Tile | None:
     """How the queries of run ``q_run`` see the keys of run ``k_run``: None (not at all), or
     a Tile. Without documents or padding it is decided from the runs' ends alone, so no
     ``[S, S]`` mask is built for the whole chunk (at 16k tokens a ring member's would be
-    64 MiB); otherwise from this tile's own mask."""
-    q_first, q_last = int(mine[q_run][0]), int(mine[q_run][-1])
-    k_first, k_last = int(theirs[k_run][0]), int(theirs[k_run][-1])
-    if context.documents is None and context.padding_mask is None:
+    64 MiB); otherwise from this tile's own mask. ``window``: a sliding-window layer's."""
+    (q_first, q_last), (k_first, k_last) = q_ends, k_ends = _ends(mine, q_run), _ends(theirs, k_run)
+    if _unseen(q_ends, k_ends, window):
+        return None
+    inside = window is None or q_last - k_first < window  # no pair of the runs is out of the window
+    if context.documents is None and context.padding_mask is None and inside:
         if k_last <= q_first:
             return Tile(q_run, k_run, None)
-        if k_first > q_last:
-            return None
         if (q_first, q_last) == (k_first, k_last):
             return Tile(q_run, k_run, None, causal=True)
     q_pos, k_pos = mine[q_run], theirs[k_run]
     documents = None if context.documents is None else context.documents.to(device)
     docs = (documents[:, q_pos], documents[:, k_pos]) if documents is not None else (None, None)
-    allowed = visible(q_pos, k_pos, *docs)
+    allowed = visible(q_pos, k_pos, *docs, window=window)
     if context.padding_mask is not None:
         allowed = allowed & context.padding_mask.to(device)[:, k_pos][:, None, None, :]
     if not bool(allowed.any()):
@@ -230,18 +253,37 @@ def _join_full_tiles(tiles: list[Tile]) -> list[Tile]:
     return tiles
 
 
-def ring_tiles(context, rank: int, device: torch.device) -> list[list[Tile]]:
+def ring_tiles(context, rank: int, device: torch.device, window: int | None = None) -> list[list[Tile]]:
     """This rank's queries against every rank's keys, as tiles between runs of consecutive
-    positions: causal by global position, within each packed document, never onto padding.
-    A tile nothing sees is left out (zig-zag's saving), one everything sees has no mask,
-    and full tiles side by side are one."""
+    positions: causal by global position, within each packed document and the sliding
+    window, never onto padding. A tile nothing sees is left out (zig-zag's saving, and a
+    window's), one everything sees has no mask, and full tiles side by side are one."""
     positions = [p.to(device) for p in context.ring_positions]
     mine = positions[rank]
     blocks = []
     for theirs in positions:
-        tiles = (_tile(q_run, k_run, mine, theirs, context, device) for q_run in _runs(mine) for k_run in _runs(theirs))
+        tiles = (_tile(q_run, k_run, mine, theirs, context, device, window)
+                 for q_run in _runs(mine) for k_run in _runs(theirs))
         blocks.append(_join_full_tiles([tile for tile in tiles if tile is not None]))
     return blocks
+
+
+def ring_steps(positions: list[torch.Tensor], window: int | None) -> int:
+    """How many ring steps a layer needs (the same on every rank: it reads every member's
+    positions): one past the last step at which some rank's queries can see the chunk it
+    then holds (by position and window; documents and padding only hide more). Causal
+    attention needs every step; a window shorter than the chunks, with contiguous chunks,
+    only the previous rank's: the K/V stop travelling there, and so do their gradients."""
+    if window is None:
+        return len(positions)
+    runs = [[_ends(p, run) for run in _runs(p)] for p in positions]
+    size = len(positions)
+
+    def seen(step: int) -> bool:
+        return any(not _unseen(q, k, window) for rank in range(size)
+                   for q in runs[rank] for k in runs[(rank - step) % size])
+
+    return 1 + max(step for step in range(size) if seen(step))
 
 
 def ring_core(state) -> Any:
@@ -260,15 +302,18 @@ def ring_core(state) -> Any:
         if dropout and module.training:
             raise ConfigError("cp_plan.mode", state.mode, "set the model's attention_dropout to 0 under ring "
                               "context parallel", reason="ring attention has no dropout")
-        unsupported = sorted(k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None)
-        if unsupported:
+        if kwargs.get("softcap") is not None:
             raise ConfigError("cp_plan.mode", state.mode, "use mode 'ulysses' for this model",
-                              reason=f"ring attention does not implement {unsupported}")
-        if context.ring_tiles is None:
-            context.ring_tiles = ring_tiles(context, state.ring_rank, query.device)
+                              reason="ring attention does not soft-cap its logits (softcap)")
+        window, sinks = kwargs.get("sliding_window"), kwargs.get("s_aux")
+        if window not in context.ring_tiles:  # the first layer of each window kind builds them
+            context.ring_tiles[window] = (ring_tiles(context, state.ring_rank, query.device, window),
+                                          ring_steps(context.ring_positions, window))
+        tiles, steps = context.ring_tiles[window]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         # fp32 blocks: the merge and the recomputed backward are exact to rounding
-        out = ring_attention(query.float(), key.float(), value.float(), scale, context.ring_tiles, state.ring_group)
+        out = ring_attention(query.float(), key.float(), value.float(), scale, tiles, state.ring_group,
+                             sinks=None if sinks is None else sinks.float(), steps=steps)
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
     return attention
@@ -282,6 +327,7 @@ def ring_hf_attention(state) -> Any:
     def attention(module, query, key, value, attention_mask, **kwargs):
         if state.current is not None:
             state.current.attention_calls += 1
+            state.current.sliding_calls += kwargs.get("sliding_window") is not None
         return core(module, query, key, value, attention_mask, **kwargs)
 
     return attention

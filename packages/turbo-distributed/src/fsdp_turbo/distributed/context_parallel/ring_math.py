@@ -13,8 +13,14 @@ log-sum-exp (FlashAttention's recomputation): per block, ``P = exp(S - lse)``,
 
 Masks are built from global token positions, so the same code serves contiguous chunks
 and the zig-zag layout: key ``j`` is visible to query ``i`` when ``pos_k[j] <= pos_q[i]``
-(and, for packed rows, when both are in the same document). A query row that sees no key
-in a block has ``lse = -inf`` there and contributes nothing.
+(and, for packed rows, when both are in the same document; for a sliding-window layer, when
+``pos_q[i] - pos_k[j] < window``). A query row that sees no key in a block has
+``lse = -inf`` there and contributes nothing.
+
+Attention sinks (gpt-oss: one learned logit ``s_h`` per head, joined to every row's scores
+with value 0) are one more partial: ``out = 0, lse = s_h``, merged once per row. The
+backward kernels then see the final lse, which includes the sink, and the sink's own
+gradient is ``-Σ exp(s_h - lse) · rowsum(dO ∘ O)`` (:func:`sink_grad`).
 
 Shapes: queries ``[B, H, Sq, D]``, keys and values ``[B, H, Sk, D]`` (K/V heads already
 repeated to H), masks ``[B or 1, 1, Sq, Sk]`` (True = attend), lse ``[B, H, Sq]``.
@@ -44,12 +50,25 @@ def chunk_positions(seq_len: int, cp: int, rank: int, load_balance: bool) -> tor
 
 
 def visible(q_positions: torch.Tensor, k_positions: torch.Tensor,
-            q_documents: torch.Tensor | None = None, k_documents: torch.Tensor | None = None) -> torch.Tensor:
-    """The causal (and per-document) mask ``[B or 1, 1, Sq, Sk]`` of one block."""
-    allowed = (k_positions[None, :] <= q_positions[:, None])[None, None]
+            q_documents: torch.Tensor | None = None, k_documents: torch.Tensor | None = None,
+            window: int | None = None) -> torch.Tensor:
+    """The causal (and per-document) mask ``[B or 1, 1, Sq, Sk]`` of one block; ``window``: a
+    sliding-window layer's, where query ``q`` sees only keys ``q - window < k <= q``."""
+    behind = q_positions[:, None] - k_positions[None, :]
+    allowed = behind >= 0
+    if window is not None:
+        allowed = allowed & (behind < window)
+    allowed = allowed[None, None]
     if q_documents is not None:
         allowed = allowed & (q_documents[:, None, :, None] == k_documents[:, None, None, :])
     return allowed
+
+
+def sink_grad(sinks: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """The gradient of the per-head sink logits ``[H]`` from the final output and lse: the
+    sink's probability in each row times ``-rowsum(dO ∘ O)``, summed over batch and rows."""
+    delta = (grad_out * out).sum(-1)
+    return -(torch.exp(sinks[None, :, None] - lse) * delta).sum((0, 2))
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

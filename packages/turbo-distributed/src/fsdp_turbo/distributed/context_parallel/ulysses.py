@@ -5,13 +5,16 @@ positions). One all-to-all takes them to head-sharded ``[B, heads/cp, S, D]``; t
 own core attention (eager, sdpa, flash, ...) runs on the whole sequence for its heads; a
 second all-to-all takes the output back to sequence-sharded. K/V heads are replicated when
 there are fewer of them than CP ranks (GQA), so each rank holds the K/V its queries need.
+
+Sliding-window layers (the ``sliding_window`` argument HF passes) get the window in the
+full-sequence mask; per-head parameters of the core attention (gpt-oss's sinks) are cut to
+this rank's heads (:func:`heads_view`), so their gradient on each rank is its heads' share.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,28 +37,56 @@ def replicate_kv(x: torch.Tensor, target: int) -> torch.Tensor:
     return x if x.shape[1] == target else x.repeat_interleave(target // x.shape[1], dim=1)
 
 
-@contextlib.contextmanager
-def _kv_groups(module: nn.Module, groups: int) -> Iterator[None]:
-    # HF's core attentions read num_key_value_groups to repeat K/V; replication changes it.
-    old = getattr(module, "num_key_value_groups", None)
-    if old is None or old == groups:
-        yield
-        return
-    module.num_key_value_groups = groups
-    try:
-        yield
-    finally:
-        module.num_key_value_groups = old
+class _HeadsView:
+    """The attention module as a core attention over some of its heads sees it: the K/V
+    group count after replication, and each per-head parameter (gpt-oss's ``sinks``, one
+    logit per head) cut to those heads; every other attribute is the module's. A view, not a
+    change to the module: the cut is a slice of the parameter, so its gradient flows back."""
+
+    def __init__(self, module: nn.Module, overrides: dict[str, Any]) -> None:
+        object.__setattr__(self, "_module", module)
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+# Per-head tensors a core attention reads from its module (HF's eager of gpt-oss reads
+# ``module.sinks``) or takes as an argument (its flash path: ``s_aux``).
+HEAD_ATTRIBUTES = ("sinks",)
+HEAD_ARGUMENTS = ("s_aux",)
+
+
+def heads_view(module: nn.Module, groups: int, heads: slice, kwargs: dict[str, Any]
+               ) -> tuple[nn.Module | _HeadsView, dict[str, Any]]:
+    """``module`` and ``kwargs`` as the core attention over query heads ``heads`` must see
+    them (unchanged when nothing differs)."""
+    overrides: dict[str, Any] = {}
+    if getattr(module, "num_key_value_groups", groups) != groups:
+        overrides["num_key_value_groups"] = groups
+    for name in HEAD_ATTRIBUTES:
+        value = getattr(module, name, None)
+        if isinstance(value, torch.Tensor):
+            overrides[name] = value[heads]
+    kwargs = {k: (v[heads] if k in HEAD_ARGUMENTS and isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    return (_HeadsView(module, overrides) if overrides else module), kwargs
 
 
 def full_causal_mask(seq_len: int, padding: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
-                     additive: bool, documents: torch.Tensor | None = None) -> torch.Tensor | None:
+                     additive: bool, documents: torch.Tensor | None = None,
+                     window: int | None = None) -> torch.Tensor | None:
     """The full-sequence mask the core attention needs: ``None`` where ``is_causal`` suffices
-    (non-eager, no padding, one document per row), else boolean (True = attend) or additive
-    ``[B or 1, 1, S, S]``. ``documents`` (packed rows) keeps attention inside each document."""
-    if padding is None and documents is None and not additive:
+    (non-eager, no padding, one document per row, no window), else boolean (True = attend) or
+    additive ``[B or 1, 1, S, S]``. ``documents`` (packed rows) keeps attention inside each
+    document; ``window`` (a sliding-window layer) within the last ``window`` positions, as
+    transformers' ``sliding_window_overlay``: key ``k`` is seen by query ``q`` when
+    ``q - window < k <= q``."""
+    if padding is None and documents is None and window is None and not additive:
         return None
-    allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+    allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    if window is not None:
+        allowed = allowed.triu(1 - window)
+    allowed = allowed[None, None]
     if padding is not None:
         allowed = allowed & padding[:, None, None, :].to(device)
     if documents is not None:
@@ -73,7 +104,10 @@ def ulysses_hf_attention(state: CPState, inner: str, core: Callable[..., Any] | 
     def attention(module, query, key, value, attention_mask, **kwargs):
         if state.current is None:
             raise RuntimeError("context-parallel attention ran outside a context-parallel forward")
-        state.current.attention_calls += 1
+        context = state.current
+        context.attention_calls += 1
+        window = kwargs.get("sliding_window")
+        context.sliding_calls += window is not None
         cp, group = state.ulysses_size, state.ulysses_group
         kv_heads = replicated_kv_heads(key.shape[1], cp)
         qkv = torch.cat([query, replicate_kv(key, kv_heads), replicate_kv(value, kv_heads)], dim=1)
@@ -83,15 +117,17 @@ def ulysses_hf_attention(state: CPState, inner: str, core: Callable[..., Any] | 
         per_rank = torch.cat([t.unflatten(1, (cp, -1)) for t in qkv.split([heads, kv_heads, kv_heads], 1)], 2)
         gathered = sequence_to_heads(per_rank.flatten(1, 2), group, cp)
         q, k, v = gathered.split(parts, dim=1)
-        context = state.current
+        # this rank now holds query heads [rank * heads/cp, (rank + 1) * heads/cp) of the whole sequence
+        mine = slice(state.ulysses_rank * parts[0], (state.ulysses_rank + 1) * parts[0])
+        view, kwargs = heads_view(module, heads // kv_heads, mine, kwargs)
         if core is not None:
-            out, _ = core(module, q, k, v, None, **kwargs)
+            out, _ = core(view, q, k, v, None, **kwargs)
             return heads_to_sequence(out, group, cp), None
         function = attention_function(inner, module)
+        # flash kernels take the window as an argument (HF passes sliding_window on); the others read the mask
         mask = full_causal_mask(context.seq_len, context.padding_mask, q.dtype, q.device, additive=inner == "eager",
-                                documents=context.documents)
-        with _kv_groups(module, heads // kv_heads):
-            out, _ = function(module, q, k, v, mask, **kwargs)
+                                documents=context.documents, window=None if inner.startswith("flash") else window)
+        out, _ = function(view, q, k, v, mask, **kwargs)
         return heads_to_sequence(out, group, cp), None
 
     return attention
