@@ -31,6 +31,11 @@ CASES["deepseek_v3 fsdp2 x cp2 ulysses"] = ("deepseek_v3", {"fully_shard_paralle
 CASES["deepseek_v3 fsdp2 x cp2 ring"] = ("deepseek_v3", {"fully_shard_parallel_size": 2, "context_parallel_size": 2,
                                                          "cp_plan": {"mode": "ring"}})
 CASES["deepseek_v3 ep2 fused"] = ("deepseek_v3", _ep("fused"))
+# MLA under TP: the per-head up-projections split, the latent projections and norms whole
+CASES["deepseek_v3 fsdp2 x tp2 sp"] = ("deepseek_v3", {
+    "fully_shard_parallel_size": 2, "tensor_parallel_size": 2,
+    "tp_plan": {"colwise_parallel": ["*.q_b_proj", "*.kv_b_proj"], "rowwise_parallel": ["*.o_proj"],
+                "sequence_parallel": ["*input_layernorm", "*post_attention_layernorm", "model.norm"]}})
 # gpt-oss: sliding-window layers (window 8 of 16 tokens) beside full ones, and per-head sinks in both
 CASES["gpt_oss fsdp2 x cp2 ulysses"] = ("gpt_oss", {"fully_shard_parallel_size": 2, "context_parallel_size": 2})
 CASES["gpt_oss fsdp2 x cp2 ring"] = ("gpt_oss", {"fully_shard_parallel_size": 2, "context_parallel_size": 2,

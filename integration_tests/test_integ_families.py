@@ -1,8 +1,10 @@
 """Model families through the features (issue 32), against the single-process reference,
 float32, 4 AdamW steps: Qwen3-Next and Qwen3.5-MoE (Gated DeltaNet and softmax layers; MoE
-layers with a shared expert) and DeepSeek-V3 (MLA). Every case runs in ONE 4-rank launch
-(about 22 s on 2 cores); each step's loss rtol 1e-5, the first step's gradients rtol 1e-4 /
-atol 1e-6, unless a case states otherwise (MXFP8)."""
+layers with a shared expert), DeepSeek-V3 (MLA: Ulysses and ring CP, EP, TP with sequence
+parallel) and gpt-oss (sliding-window layers and sinks: Ulysses, ring with zig-zag and with
+contiguous chunks, hybrid). Every case runs in ONE 4-rank launch (about 33 s on 2 cores);
+each step's loss rtol 1e-5, the first step's gradients rtol 1e-4 / atol 1e-6, unless a case
+states otherwise (MXFP8)."""
 
 import pytest
 import torch
@@ -15,8 +17,8 @@ from fsdp_turbo.core.testing.parity import sqnr_db
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.multirank
 
-# MLA under TP is refused at plan time (the latent and shared rotary-key projections are not per head):
-# turbo-distributed's test_dist_tp_gpt_oss.py, test_mla_attention_under_tp_is_refused_naming_its_latent_projection
+# MLA under TP: the latent modules stay whole (turbo-distributed test_dist_tp_gpt_oss.py plans them);
+# the rotary key its kv_a_proj_with_mqa makes for every head gets its gradient summed over TP
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 from fsdp_turbo.distributed.context_parallel.context import CPState, ForwardContext
 from fsdp_turbo.distributed.context_parallel.inputs import _prove_the_wrapper_ran
 from fsdp_turbo.distributed.context_parallel.transform import plan_context_parallel
-from fsdp_turbo.distributed.tensor_parallel import resolve_tp_plan
+from fsdp_turbo.distributed.tensor_parallel import StyleChoice, StyleKind, resolve_tp_plan
 from fsdp_turbo.fsdp_turbo_config import CPPlanConfig, TPPlanConfig
 
 pytest.importorskip("transformers")
@@ -98,12 +98,29 @@ def test_gpt_oss_fsdp2_x_tp2_with_sequence_parallel():
         assert "Shard(dim=0)" in facts["placements"]["model.layers.0.self_attn.sinks"]
 
 
-def test_mla_attention_under_tp_is_refused_naming_its_latent_projection():
-    """DeepSeek-V3's MLA: q_b_proj / kv_b_proj split by head, but q_a_proj and kv_a_proj_with_mqa are not per head
-    (the latent, and the rotary key every head reads). Planned as head-local, their gradients held one rank's heads
-    only (the latent norms' gradients at 0 dB SQNR against one process): refused by name at plan time instead."""
+def test_mla_latent_modules_stay_whole_beside_the_split_heads():
+    """DeepSeek-V3's MLA: q_b_proj / kv_b_proj split by head; q_a_proj and kv_a_proj_with_mqa read
+    the prepared input whole and stay whole, the latent norms too (their gradients arrive whole
+    through the split projections' summed input gradients); the rotary key, kv_a_proj_with_mqa's
+    last qk_rope_head_dim outputs, feeds every head directly, so its gradient is summed over TP.
+    Parity: integration_tests/test_integ_families.py (FSDP=2 x TP=2 with sequence parallel)."""
     model = tiny_hf_causal_lm("deepseek_v3")
     plan = TPPlanConfig(colwise_parallel=["*.q_b_proj", "*.kv_b_proj"], rowwise_parallel=["*.o_proj"])
+    styles = dict(resolve_tp_plan(model, plan, 2, resolve_model_facts(model)).styles)
+    attention = "model.layers.0.self_attn"
+    rope = model.config.qk_rope_head_dim
+    assert styles[f"{attention}.q_a_proj"] == StyleChoice(StyleKind.REPLICATE_PREPARED)
+    assert styles[f"{attention}.kv_a_proj_with_mqa"] == StyleChoice(StyleKind.REPLICATE_PREPARED, shared_tail=rope)
+    assert styles[f"{attention}.q_a_layernorm"] == styles[f"{attention}.kv_a_layernorm"] == StyleChoice(
+        StyleKind.REPLICATE)
+    assert styles[f"{attention}.q_b_proj"].kind is StyleKind.COLWISE
+
+
+def test_a_linear_left_whole_beside_split_heads_is_refused_naming_it():
+    """A k_proj left whole beside split q/v projections reads every head's input and feeds every
+    head: not a known latent, so refused at plan time rather than trained with one rank's heads."""
+    model = tiny_hf_causal_lm("llama")
+    plan = TPPlanConfig(colwise_parallel=["*.q_proj", "*.v_proj"], rowwise_parallel=["*.o_proj"])
     with pytest.raises(ConfigError, match=r"tp_plan.colwise_parallel='model.layers.0.self_attn'.*"
-                                          r"model.layers.0.self_attn.q_a_proj is a Linear.*Fix: leave"):
+                                          r"model.layers.0.self_attn.k_proj is a Linear.*Fix: leave"):
         resolve_tp_plan(model, plan, 2, resolve_model_facts(model))

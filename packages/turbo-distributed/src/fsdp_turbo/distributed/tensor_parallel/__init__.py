@@ -3,7 +3,9 @@
 from fsdp_turbo.distributed.tensor_parallel.loss import scoped_loss_parallel, vocab_parallel_cross_entropy
 from fsdp_turbo.distributed.tensor_parallel.plan import (
     HEAD_PARAMETERS,
+    LATENT_MODULES,
     HeadParameter,
+    LatentModule,
     StyleChoice,
     StyleKind,
     TPPlan,
@@ -14,7 +16,9 @@ from fsdp_turbo.distributed.tensor_parallel.transform import TensorParallelTrans
 
 __all__ = [
     "HEAD_PARAMETERS",
+    "LATENT_MODULES",
     "HeadParameter",
+    "LatentModule",
     "StyleChoice",
     "StyleKind",
     "TPPlan",

@@ -80,6 +80,31 @@ HEAD_PARAMETERS: tuple[HeadParameter, ...] = (
 
 
 @dataclass(frozen=True)
+class LatentModule:
+    """A module of an attention that computes a latent every head reads, whole on every rank
+    (MLA's low-rank query and key/value projections and their norms), beside the split
+    per-head projections. Where the latent reaches the heads through a split projection
+    (``q_b_proj``, ``kv_b_proj``), that projection's input gradient is summed over TP, so the
+    latent's gradient is whole. ``shared_tail`` names the attention's attribute counting the
+    latent's last outputs that every head reads directly (MLA's rotary key, ``k_rot``): there
+    each rank's gradient is its own heads' share, so it is summed over the TP ranks."""
+
+    module_class: str  # the attention's class name
+    name: str  # the child module
+    shared_tail: str | None = None
+
+
+# The latent modules TP knows. Any other Linear left whole inside a split attention is refused
+# at plan time (see _refuse_unplanned_projections).
+LATENT_MODULES: tuple[LatentModule, ...] = (
+    LatentModule("DeepseekV3Attention", "q_a_proj"),
+    LatentModule("DeepseekV3Attention", "q_a_layernorm"),
+    LatentModule("DeepseekV3Attention", "kv_a_proj_with_mqa", shared_tail="qk_rope_head_dim"),
+    LatentModule("DeepseekV3Attention", "kv_a_layernorm"),
+)
+
+
+@dataclass(frozen=True)
 class StyleChoice:
     """A style, as data; ``build_style`` makes the torch ``ParallelStyle`` from it."""
 
@@ -89,6 +114,7 @@ class StyleChoice:
     vocab_shards: bool = False  # colwise head under loss parallel: keep the logits vocab-sharded
     gather_output: bool = False  # colwise output head without loss parallel: whole-vocabulary logits
     head_parameters: tuple[tuple[str, int], ...] = ()  # prepare_input: own per-head parameters -> their head dim
+    shared_tail: int = 0  # replicate_prepared: the last outputs every head reads, their gradient summed over TP
 
 
 def build_style(choice: StyleChoice) -> ParallelStyle:
@@ -116,7 +142,7 @@ def build_style(choice: StyleChoice) -> ParallelStyle:
         StyleKind.GATHER_REPLICATE: lambda: ReplicateParallel(gather_sequence=True),
         StyleKind.REPLICATE: ReplicateParallel,
         StyleKind.REPLICATE_SEQUENCE_LOCAL: lambda: ReplicateParallel(sum_grads=True),
-        StyleKind.REPLICATE_PREPARED: lambda: ReplicateParallel(local_input=True),
+        StyleKind.REPLICATE_PREPARED: lambda: ReplicateParallel(local_input=True, shared_tail=choice.shared_tail),
     }
     return builders[kind]()
 
@@ -314,6 +340,8 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
     head_local = [name for name, module in model.named_modules()
                   if name and keep(name, module) and name not in planned and _parent(name) in hook_parents
                   and _own_params(module) and not _children_own_params(module)]
+    latent = {name: known for name in head_local if (known := _latent_module(model, name)) is not None}
+    head_local = [name for name in head_local if name not in latent]
     _refuse_unplanned_projections(model, head_local)
     head_name = facts.head
     styles: dict[str, StyleChoice] = {}
@@ -334,6 +362,8 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
         styles[name] = StyleChoice(StyleKind.SEQUENCE_PARALLEL)
     for name in head_local:
         styles[name] = StyleChoice(StyleKind.HEAD_LOCAL)
+    for name, known in latent.items():
+        styles[name] = _latent_choice(model, name, known)
     if sp:
         _check_sequence_region(model, plan, blocks, set(styles))
         styles[next(iter(blocks))] = StyleChoice(StyleKind.SCATTER_SEQUENCE)
@@ -364,14 +394,28 @@ def _head_counts(module: nn.Module, facts: ModelFacts) -> set[int]:
     return {count for count in counts if isinstance(count, int)}
 
 
+def _latent_module(model: nn.Module, name: str) -> LatentModule | None:
+    parent = model.get_submodule(_parent(name))
+    classes = {cls.__name__ for cls in type(parent).__mro__}
+    child = name.rsplit(".", 1)[-1]
+    return next((known for known in LATENT_MODULES if known.name == child and known.module_class in classes), None)
+
+
+def _latent_choice(model: nn.Module, name: str, known: LatentModule) -> StyleChoice:
+    """A latent Linear reads the prepared (replicated) input; a latent norm the Linear's local output."""
+    if not isinstance(model.get_submodule(name), nn.Linear):
+        return StyleChoice(StyleKind.REPLICATE)
+    tail = getattr(model.get_submodule(_parent(name)), known.shared_tail) if known.shared_tail else 0
+    return StyleChoice(StyleKind.REPLICATE_PREPARED, shared_tail=tail)
+
+
 def _refuse_unplanned_projections(model: nn.Module, head_local: list[str]) -> None:
     """Beside the split projections of an attention, the modules no plan names run per head on
     this rank's heads (Qwen3's ``q_norm``). A Linear there is not per head: it reads every head
     (an output projection left whole), or it reads the attention's input and what it computes
-    reaches every head by another path than a split projection (MLA's ``q_a_proj`` /
-    ``kv_a_proj_with_mqa``, whose rotary key every head reads; a ``k_proj`` left whole beside a
-    split ``q_proj``), so its gradient would hold one rank's heads only. Refused by name rather
-    than trained wrong."""
+    reaches every head by another path than a split projection (a ``k_proj`` left whole beside
+    a split ``q_proj``), so its gradient would hold one rank's heads only. Refused by name
+    rather than trained wrong, unless it is a known latent (``LATENT_MODULES``: MLA's)."""
     for name in head_local:
         module = model.get_submodule(name)
         if isinstance(module, nn.Linear):

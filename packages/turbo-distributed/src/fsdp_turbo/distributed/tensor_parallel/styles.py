@@ -6,7 +6,8 @@
   tensors. ``gather_sequence=True`` serves an unsharded output head after sequence
   parallel; ``sum_grads=True`` serves a module inside the sequence-parallel region
   (an MoE router or experts), whose ranks see different tokens; ``local_input=True``
-  serves a module fed a prepared (replicated DTensor) input: a colwise LoRA's ``lora_A``.
+  serves a module fed a prepared (replicated DTensor) input: a colwise LoRA's ``lora_A``, or
+  MLA's latent projections (``shared_tail``: the rotary key's gradient summed over TP).
 * :class:`FrozenKeepingSequenceParallel`: torch's ``SequenceParallel`` for the norms,
   keeping each parameter's ``requires_grad`` (a PEFT model's frozen norms stay frozen).
 * :class:`HeadLocalParallel`: a module that acts per attention head on the
@@ -66,6 +67,24 @@ class _SumGradOverGroup(torch.autograd.Function):
         return grad, None
 
 
+class _SumTailGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward sums the last ``tail`` features of the gradient over the
+    group (each rank's share: those outputs feed every head, and each rank holds some heads)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group, tail: int) -> torch.Tensor:
+        ctx.group, ctx.tail = group, tail
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        shares = grad[..., -ctx.tail:].contiguous()
+        torch.distributed.all_reduce(shares, group=ctx.group)
+        grad[..., -ctx.tail:] = shares
+        return grad, None, None
+
+
 def _to_local(outputs: Any) -> Any:
     return tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t, outputs)
 
@@ -81,13 +100,17 @@ class ReplicateParallel(ParallelStyle):
     ``gather_sequence`` the first floating input is all-gathered from sequence shards
     first (an output head after sequence parallel). With ``local_input`` its DTensor
     inputs (replicated: the input a parent prepared for its colwise siblings) become
-    local tensors; their gradients return as replicated ones.
+    local tensors; their gradients return as replicated ones. With ``shared_tail`` the
+    gradient of the output's last ``shared_tail`` features is summed over the TP group (MLA's
+    rotary key, read by every head: each rank's heads give their share).
     """
 
-    def __init__(self, *, gather_sequence: bool = False, sum_grads: bool = False, local_input: bool = False) -> None:
+    def __init__(self, *, gather_sequence: bool = False, sum_grads: bool = False, local_input: bool = False,
+                 shared_tail: int = 0) -> None:
         self.gather_sequence = gather_sequence
         self.sum_grads = sum_grads
         self.local_input = local_input
+        self.shared_tail = shared_tail
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, param in list(module.named_parameters(recurse=False)):
@@ -112,6 +135,9 @@ class ReplicateParallel(ParallelStyle):
 
         def swap_out(mod: nn.Module, args: tuple, output: Any):
             mod._parameters.update(saved.pop())
+            if self.shared_tail:
+                return _SumTailGradOverGroup.apply(output, device_mesh.get_group(), self.shared_tail)
+            return None
 
         module.register_forward_pre_hook(swap_in)
         module.register_forward_hook(swap_out)
