@@ -27,6 +27,15 @@ for _kind in ("qwen3_next", "qwen3_5_moe"):
         "fully_shard_parallel_size": 4, "recompute": True, "recompute_policy": "full",
         "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12}})
     CASES[f"{_kind} fsdp4 mxfp8"] = (_kind, {"fully_shard_parallel_size": 4, "quantization_plan": MX_PLAN})
+# TP on the full-attention layers; the Gated DeltaNet layers kept whole (on the gathered sequence under SP)
+ATTENTION_TP = {"colwise_parallel": ["*.self_attn.q_proj", "*.self_attn.k_proj", "*.self_attn.v_proj"],
+                "rowwise_parallel": ["*.self_attn.o_proj"]}
+SP_NORMS = ["*input_layernorm", "*post_attention_layernorm", "model.norm"]
+for _kind in ("qwen3_next", "qwen3_5_moe"):
+    CASES[f"{_kind} fsdp2 x tp2 sp"] = (_kind, {"fully_shard_parallel_size": 2, "tensor_parallel_size": 2,
+                                                "tp_plan": {**ATTENTION_TP, "sequence_parallel": SP_NORMS}})
+CASES["qwen3_next fsdp2 x tp2"] = ("qwen3_next", {"fully_shard_parallel_size": 2, "tensor_parallel_size": 2,
+                                                  "tp_plan": ATTENTION_TP})
 CASES["deepseek_v3 fsdp2 x cp2 ulysses"] = ("deepseek_v3", {"fully_shard_parallel_size": 2, "context_parallel_size": 2})
 CASES["deepseek_v3 fsdp2 x cp2 ring"] = ("deepseek_v3", {"fully_shard_parallel_size": 2, "context_parallel_size": 2,
                                                          "cp_plan": {"mode": "ring"}})
@@ -35,7 +44,7 @@ CASES["deepseek_v3 ep2 fused"] = ("deepseek_v3", _ep("fused"))
 CASES["deepseek_v3 fsdp2 x tp2 sp"] = ("deepseek_v3", {
     "fully_shard_parallel_size": 2, "tensor_parallel_size": 2,
     "tp_plan": {"colwise_parallel": ["*.q_b_proj", "*.kv_b_proj"], "rowwise_parallel": ["*.o_proj"],
-                "sequence_parallel": ["*input_layernorm", "*post_attention_layernorm", "model.norm"]}})
+                "sequence_parallel": SP_NORMS}})
 # gpt-oss: sliding-window layers (window 8 of 16 tokens) beside full ones, and per-head sinks in both
 CASES["gpt_oss fsdp2 x cp2 ulysses"] = ("gpt_oss", {"fully_shard_parallel_size": 2, "context_parallel_size": 2})
 CASES["gpt_oss fsdp2 x cp2 ring"] = ("gpt_oss", {"fully_shard_parallel_size": 2, "context_parallel_size": 2,

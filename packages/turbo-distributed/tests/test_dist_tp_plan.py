@@ -87,3 +87,27 @@ def test_sequence_scatter_is_idempotent_for_recompute():
     results = run_distributed(_scatter_twice, 2, timeout=120)
     assert [r[:2] for r in results] == [((1, 2, 4), True)] * 2
     assert [r[2] for r in results] == [0.0, 8.0]
+
+
+QWEN3_NEXT_ATTENTION = dict(colwise_parallel=["*.self_attn.q_proj", "*.self_attn.k_proj", "*.self_attn.v_proj"],
+                            rowwise_parallel=["*.self_attn.o_proj"])
+
+
+@pytest.mark.parametrize("sp,kind", [(False, "whole"), (True, "whole_gathered")])
+def test_gated_deltanet_is_kept_whole_beside_split_attention(sp, kind):
+    """Qwen3-Next: the softmax layers split by head, the Gated DeltaNet (A_log, dt_bias beside its
+    projections, convolution and norm) kept whole; under sequence parallel on the gathered sequence."""
+    norms = dict(sequence_parallel=["*input_layernorm", "*post_attention_layernorm", "model.norm"]) if sp else {}
+    kinds = _resolve(tiny_hf_causal_lm("qwen3_next"), TPPlanConfig(**QWEN3_NEXT_ATTENTION, **norms)).kinds
+    assert kinds["model.layers.0.linear_attn"] == kind
+    assert not any(name.startswith("model.layers.0.linear_attn.") for name in kinds)  # its subtree is one style
+    assert kinds["model.layers.1.self_attn"] == "prepare_input"
+
+
+def test_a_split_inside_the_gated_deltanet_is_refused_at_plan_time():
+    plan = TPPlanConfig(colwise_parallel=QWEN3_NEXT_ATTENTION["colwise_parallel"],
+                        rowwise_parallel=[*QWEN3_NEXT_ATTENTION["rowwise_parallel"], "*.linear_attn.out_proj"])
+    with pytest.raises(ConfigError, match=r"owns parameters \(dt_bias, A_log\) beside its sub-modules") as caught:
+        _resolve(tiny_hf_causal_lm("qwen3_next"), plan)
+    assert caught.value.value == "model.layers.0.linear_attn.out_proj"
+    assert "TP keeps it whole" in caught.value.fix

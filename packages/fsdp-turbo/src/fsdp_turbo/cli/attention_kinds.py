@@ -28,7 +28,8 @@ FEATURE_EFFECTS = {
     "softmax": "cp: ulysses, ring or hybrid; tp: heads split by tp_plan",
     "sliding": "cp: masked by the window (ulysses), unseen tiles skipped (ring, hybrid); tp: heads split by tp_plan",
     "sinks": "cp: split with the heads (ulysses), joined once per row (ring); tp: the sinks split with their heads",
-    "linear": "cp: ulysses only (ring/hybrid refused; tensor_parallel_size must be 1); tp: only what tp_plan names",
+    "linear": ("cp: ulysses only (ring/hybrid refused; not beside tensor_parallel_size > 1); "
+               "tp: kept whole, replicated (on the gathered sequence under sequence parallel)"),
 }
 
 

@@ -149,7 +149,8 @@ def _check_linear_attention(model: nn.Module, linear: tuple[LinearAttentionLayer
     if tp > 1:
         raise ConfigError("tensor_parallel_size", tp, "use tensor_parallel_size=1 with context parallel on this model",
                           reason=f"context parallel runs {linear[0].name} ({len(linear)} linear-attention layers) "
-                                 "on whole projections, and tensor parallel would split them")
+                                 "with an all-to-all of its own over the CP group, which is not composed with "
+                                 "tensor parallel's whole-module style yet")
     check_linear_heads(model, linear, size)
 
 

@@ -32,6 +32,7 @@ from fsdp_turbo.distributed.tensor_parallel.styles import (
     PrepareHiddenStates,
     ReplicateParallel,
     ScatterSequence,
+    WholeModuleParallel,
 )
 from fsdp_turbo.fsdp_turbo_config import TPPlanConfig
 
@@ -54,6 +55,8 @@ class StyleKind(StrEnum):
     REPLICATE = "replicate"  # outside the plan: replicated parameters, local compute
     REPLICATE_SEQUENCE_LOCAL = "replicate_sequence_local"  # ditto, seeing this rank's tokens only
     REPLICATE_PREPARED = "replicate_prepared"  # ditto, on a prepared (replicated) input: a colwise LoRA's lora_A
+    WHOLE = "whole"  # a module with parameters beside sub-modules, none planned: its subtree replicated
+    WHOLE_GATHERED = "whole_gathered"  # ditto in the sequence region: on the gathered sequence (Gated DeltaNet)
 
 
 SHARDED_KINDS = frozenset({StyleKind.COLWISE, StyleKind.ROWWISE})
@@ -143,6 +146,8 @@ def build_style(choice: StyleChoice) -> ParallelStyle:
         StyleKind.REPLICATE: ReplicateParallel,
         StyleKind.REPLICATE_SEQUENCE_LOCAL: lambda: ReplicateParallel(sum_grads=True),
         StyleKind.REPLICATE_PREPARED: lambda: ReplicateParallel(local_input=True, shared_tail=choice.shared_tail),
+        StyleKind.WHOLE: WholeModuleParallel,
+        StyleKind.WHOLE_GATHERED: lambda: WholeModuleParallel(sequence_parallel=True),
     }
     return builders[kind]()
 
@@ -364,8 +369,9 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
         styles[name] = StyleChoice(StyleKind.HEAD_LOCAL)
     for name, known in latent.items():
         styles[name] = _latent_choice(model, name, known)
+    whole = _whole_modules(model, styles, set(colwise) | set(rowwise), keep)
     if sp:
-        _check_sequence_region(model, plan, blocks, set(styles))
+        _check_sequence_region(model, plan, blocks, set(styles), whole)
         styles[next(iter(blocks))] = StyleChoice(StyleKind.SCATTER_SEQUENCE)
         if head_name is None:
             raise ConfigError("tp_plan.sequence_parallel", list(plan.sequence_parallel),
@@ -377,7 +383,9 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
     # sees only this rank's tokens: an MoE router or its experts.
     sequence_local = (lambda name: any(name.startswith(b + ".") for b in block_names)
                       and not any(name.startswith(p + ".") for p in hook_parents)) if sp else (lambda name: False)
-    _replicate_the_rest(model, styles, set(colwise) | set(rowwise), sequence_local, keep)
+    for name in whole:
+        styles[name] = StyleChoice(StyleKind.WHOLE_GATHERED if sequence_local(name) else StyleKind.WHOLE)
+    _replicate_the_rest(model, styles, set(colwise) | set(rowwise), sequence_local, keep, whole)
     return styles
 
 
@@ -500,12 +508,42 @@ def _loss_head(plan: TPPlanConfig, colwise: dict[str, nn.Module], facts: ModelFa
     return head
 
 
-def _check_sequence_region(model: nn.Module, plan: TPPlanConfig, blocks: dict, styled: set[str]) -> None:
+def _inside(name: str, holders: Collection[str]) -> bool:
+    return any(name.startswith(holder + ".") for holder in holders)
+
+
+def _whole_modules(model: nn.Module, styles: dict[str, StyleChoice], sharded: set[str],
+                   keep: Callable[[str, nn.Module], bool]) -> list[str]:
+    """The outermost modules that hold parameters themselves beside sub-modules with
+    parameters (Qwen3-Next's Gated DeltaNet: ``A_log``, ``dt_bias`` beside its projections),
+    left out of the plan: each is kept whole (``WholeModuleParallel``). If the plan splits or
+    styles anything inside one, the module's own parameters would be read whole beside split
+    children: refused, by name."""
+    whole: list[str] = []
+    touched = set(styles) | sharded
+    for name, module in model.named_modules():
+        if (not name or not keep(name, module) or name in touched or _inside(name, whole)
+                or not _own_params(module) or not _children_own_params(module)):
+            continue
+        inside = sorted(n for n in touched if n.startswith(name + "."))
+        if inside:
+            own = ", ".join(n for n, _ in module.named_parameters(recurse=False))
+            raise ConfigError("tp_plan", inside[0], f"leave {name}'s sub-modules out of tp_plan (TP keeps it whole)",
+                              reason=f"{name} owns parameters ({own}) beside its sub-modules, which TP cannot "
+                                     "split with them")
+        whole.append(name)
+    return whole
+
+
+def _check_sequence_region(model: nn.Module, plan: TPPlanConfig, blocks: dict, styled: set[str],
+                           whole: Collection[str] = ()) -> None:
     if not blocks:
         raise ConfigError("tp_plan.sequence_parallel", list(plan.sequence_parallel),
                           "sequence parallel needs a model with a repeated block list (e.g. decoder layers)")
+    # a module kept whole computes its norms on the gathered sequence
     missing = [name for name, module in model.named_modules()
-               if name and "norm" in type(module).__name__.lower() and name not in styled]
+               if name and "norm" in type(module).__name__.lower() and name not in styled and name not in whole
+               and not _inside(name, whole)]
     if missing:
         raise ConfigError("tp_plan.sequence_parallel", list(plan.sequence_parallel),
                           f"add every norm on the sequence-sharded path, e.g. {missing[:4]}",
@@ -513,13 +551,12 @@ def _check_sequence_region(model: nn.Module, plan: TPPlanConfig, blocks: dict, s
 
 
 def _replicate_the_rest(model: nn.Module, styles: dict[str, StyleChoice], sharded: set[str],
-                        sequence_local: Callable[[str], bool], keep: Callable[[str, nn.Module], bool]) -> None:
+                        sequence_local: Callable[[str], bool], keep: Callable[[str, nn.Module], bool],
+                        whole: Collection[str] = ()) -> None:
     for name, module in model.named_modules():
-        if not name or not keep(name, module) or name in styles or name in sharded or not _own_params(module):
+        if (not name or not keep(name, module) or name in styles or name in sharded or not _own_params(module)
+                or _inside(name, whole)):
             continue
-        if _children_own_params(module):
-            raise ConfigError("tp_plan", name, "give its parameters their own leaf module, or shard it",
-                              reason=f"{name} owns parameters and has sub-modules; TP cannot place them")
         kind = StyleKind.REPLICATE_SEQUENCE_LOCAL if sequence_local(name) else StyleKind.REPLICATE
         styles[name] = StyleChoice(kind)
 

@@ -18,6 +18,9 @@
   so the colwise projections that share it cost one collective, not one each. With
   ``head_parameters`` it also splits the parameters the module holds itself per head
   (gpt-oss's attention ``sinks``) with the heads: see :func:`shard_head_parameters`.
+* :class:`WholeModuleParallel`: a module TP leaves whole that holds parameters beside
+  sub-modules (Qwen3-Next's Gated DeltaNet): its whole subtree replicated; inside the
+  sequence-parallel region it runs on the gathered sequence and hands back this rank's slice.
 * :class:`ScatterSequence`: the entry into the sequence-parallel region: the full
   hidden states are cut to this rank's sequence slice (no communication forward).
 """
@@ -294,3 +297,61 @@ class ScatterSequence(_HiddenStatesHook):
         key = id(local)
         self._produced[key] = weakref.ref(local, lambda _, key=key: self._produced.pop(key, None))
         return local
+
+
+class WholeModuleParallel(ParallelStyle):
+    """A module TP leaves whole that holds parameters of its own beside sub-modules (Qwen3-Next's
+    Gated DeltaNet: ``A_log``, ``dt_bias``, a short convolution, projections and a gated norm).
+    Every parameter of its subtree becomes a replicated DTensor, and during its forward each is
+    its local tensor, so the module runs as written.
+
+    With ``sequence_parallel`` (the module sits in the sequence-parallel region) its hidden
+    states are gathered to the whole sequence first and its output cut back to this rank's
+    slice: a recurrent mixer must see the whole sequence, so every TP rank computes all of it.
+    In backward the output's gradient is gathered from every rank's slice, so each rank's
+    parameter and input gradients are whole (no sum), and the input's is cut to its slice.
+    """
+
+    def __init__(self, *, sequence_parallel: bool = False) -> None:
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        owners = [(owner, name) for owner in module.modules() for name, _ in owner.named_parameters(recurse=False)]
+        for owner, name in owners:
+            param = owner._parameters[name]
+            replicated = distribute_tensor(param.detach(), device_mesh, [Replicate()])
+            owner.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        saved: list[list[tuple[nn.Module, str, nn.Parameter]]] = []
+
+        def swap_in(mod: nn.Module, args: tuple, kwargs: dict):
+            # Whatever is registered now (possibly FSDP's unsharded parameter) is restored after.
+            current = [(owner, name, owner._parameters[name]) for owner, name in owners
+                       if isinstance(owner._parameters[name], DTensor)]
+            saved.append(current)
+            for owner, name, param in current:
+                owner._parameters[name] = param.to_local()
+            if not self.sequence_parallel:
+                return None
+            slot = _hidden_states_slot(args, kwargs)
+            if slot is None:
+                raise ValueError(f"{type(mod).__name__} got no hidden_states tensor to gather for sequence parallel")
+            sharded = DTensor.from_local(slot[1], device_mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+            return _replace(args, kwargs, slot[0], sharded.redistribute(device_mesh, [Replicate()]).to_local())
+
+        def swap_out(mod: nn.Module, args: tuple, kwargs: dict, output: Any):
+            for owner, name, param in saved.pop():
+                owner._parameters[name] = param
+            if not self.sequence_parallel:
+                return None
+            return tree_map(lambda t: _cut_sequence(t, device_mesh) if isinstance(t, torch.Tensor) else t, output)
+
+        module.register_forward_pre_hook(swap_in, with_kwargs=True)
+        module.register_forward_hook(swap_out, with_kwargs=True)
+        return module
+
+
+def _cut_sequence(whole: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's sequence slice of a tensor every TP rank computed alike (backward: the
+    slices' gradients gathered)."""
+    replicated = DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
+    return replicated.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()
