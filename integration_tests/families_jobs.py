@@ -53,6 +53,11 @@ CASES["gpt_oss cp4 ring contiguous"] = ("gpt_oss", {"context_parallel_size": 4,
                                                     "cp_plan": {"mode": "ring", "load_balance": False}})
 CASES["gpt_oss cp4 hybrid"] = ("gpt_oss", {"context_parallel_size": 4,
                                            "cp_plan": {"mode": "hybrid", "ulysses_size": 2}})
+# gpt-oss's transposed, biased experts (clamped SwiGLU) and its attention in MXFP8: FSDP, and EP with
+# expert FSDP under every dispatcher
+CASES["gpt_oss fsdp4 mxfp8"] = ("gpt_oss", {"fully_shard_parallel_size": 4, "quantization_plan": MX_PLAN})
+for _dispatcher in DISPATCHERS:
+    CASES[f"gpt_oss ep2 {_dispatcher} mxfp8"] = ("gpt_oss", {**_ep(_dispatcher), "quantization_plan": MX_PLAN})
 
 
 def reference_runs(kinds: list[str]) -> dict:

@@ -2,7 +2,7 @@
 float32, 4 AdamW steps: Qwen3-Next and Qwen3.5-MoE (Gated DeltaNet and softmax layers; MoE
 layers with a shared expert), DeepSeek-V3 (MLA: Ulysses and ring CP, EP, TP with sequence
 parallel) and gpt-oss (sliding-window layers and sinks: Ulysses, ring with zig-zag and with
-contiguous chunks, hybrid). Every case runs in ONE 4-rank launch (about 33 s on 2 cores);
+contiguous chunks, hybrid; MXFP8 with FSDP and with EP under every dispatcher). Every case runs in ONE 4-rank launch (about 33 s on 2 cores);
 each step's loss rtol 1e-5, the first step's gradients rtol 1e-4 / atol 1e-6, unless a case
 states otherwise (MXFP8)."""
 
@@ -40,24 +40,40 @@ def test_family_matches_one_process(launch, case):
         assert_parity(references[kind], record[case], loss_rtol=1e-5, grad_rtol=1e-4, grad_atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe"])
-def test_family_mxfp8(launch, kind):
-    """FSDP=4 with MXFP8 Linear layers and experts, against the one-process emulated-MX model.
-    Converted: the Gated DeltaNet's wide projections, the softmax attention, the shared expert
-    and the experts; left out by the converter: in_proj_b/a (Qwen3.5) and shared_expert_gate,
-    whose outputs are not whole blocks of 32, and the output head. As in the composition
-    matrix: the first loss is exact (rtol 1e-5); expert gradients quantize each expert's tokens,
-    grouped differently on each rank (at least 30 dB SQNR, measured 31.4); other gradients
-    rtol 1e-4 / atol 1e-6; all four losses rtol 2e-3 (measured 3.6e-4)."""
+MX_CLASSES = {"qwen3_next": "MXQwen3NextExperts", "qwen3_5_moe": "MXQwen3_5MoeExperts", "gpt_oss": "MXGptOssExperts"}
+SOFTMAX_LAYERS = {"qwen3_next": "{1}", "qwen3_5_moe": "{1}", "gpt_oss": "{0-1}"}  # the others: Gated DeltaNet
+
+
+@pytest.mark.parametrize("kind", sorted(MX_CLASSES))
+def test_family_mx_conversion(kind):
+    """What MX_PLAN converts. Qwen3-Next / Qwen3.5-MoE: the Gated DeltaNet's wide projections, the
+    softmax attention, the shared expert and the experts; left out by the converter: in_proj_b/a
+    (Qwen3.5) and shared_expert_gate, whose outputs are not whole blocks of 32, and the output
+    head. gpt-oss: the attention and the experts (transposed, biased, its clamped SwiGLU); its
+    router is no Linear."""
     converted = mx_converted(kind)
-    assert set(converted.values()) == {"MXLinear", f"MX{type_prefix(kind)}Experts"}
+    assert set(converted.values()) == {"MXLinear", MX_CLASSES[kind]}
     names = compress_names(list(converted))
-    assert "model.layers.{0-1}.mlp.experts" in names and "model.layers.{1}.self_attn.q_proj" in names
+    assert "model.layers.{0-1}.mlp.experts" in names
+    assert f"model.layers.{SOFTMAX_LAYERS[kind]}.self_attn.q_proj" in names
     assert not any("shared_expert_gate" in name or "in_proj_b" in name or name == "lm_head" for name in converted)
+
+
+def _mx_cases():
+    return [name for name, (_, config) in CASES.items() if "quantization_plan" in config]
+
+
+@pytest.mark.parametrize("case", _mx_cases())
+def test_family_mxfp8(launch, case):
+    """MXFP8 Linear layers and experts, against the one-process emulated-MX model. As in the
+    composition matrix: the first loss is exact (rtol 1e-5); expert gradients quantize each
+    expert's tokens, grouped differently on each rank (at least 30 dB SQNR, measured 31.4 on
+    Qwen3-Next); other gradients rtol 1e-4 / atol 1e-6; all four losses rtol 2e-3 (measured 3.6e-4)."""
+    kind, _ = CASES[case]
     references, records = launch
     reference = references[f"{kind} mx"]
     for record in records:
-        candidate = record[f"{kind} fsdp4 mxfp8"]
+        candidate = record[case]
         torch.testing.assert_close(candidate.losses[0], reference.losses[0], rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(candidate.losses), torch.tensor(reference.losses), rtol=2e-3, atol=0)
         assert candidate.grads.keys() == reference.grads.keys()
@@ -66,7 +82,3 @@ def test_family_mxfp8(launch, kind):
                 assert sqnr_db(reference.grads[name], grad) >= 30, name
             else:
                 torch.testing.assert_close(grad, reference.grads[name], rtol=1e-4, atol=1e-6, msg=name)
-
-
-def type_prefix(kind: str) -> str:
-    return {"qwen3_next": "Qwen3Next", "qwen3_5_moe": "Qwen3_5Moe"}[kind]

@@ -1,5 +1,6 @@
-"""MX fused experts: the grouped GEMMs against a per-expert loop of MX linears, the grouped_mm
-fallback, dropped tokens, and closeness to the unquantized HF experts."""
+"""MX fused experts: the grouped GEMMs against a per-expert loop of MX linears (Qwen3-MoE's
+[E, 2I, H] experts, and gpt-oss's transposed, biased experts with their clamped SwiGLU), the
+grouped_mm fallback, dropped tokens, and closeness to the unquantized HF experts."""
 
 import pytest
 import torch
@@ -14,10 +15,14 @@ from fsdp_turbo.quantization.training.mx_linear_function import mx_linear
 RECIPE = MXRecipe("E4M3", 32, "floor")
 
 
-def _experts(seed=0):
-    experts = tiny_hf_causal_lm("qwen3_moe", seed=seed).model.layers[0].mlp.experts
+def _experts(seed=0, kind="qwen3_moe"):
+    experts = tiny_hf_causal_lm(kind, seed=seed).model.layers[0].mlp.experts
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(37, experts.gate_up_proj.shape[-1], generator=g).requires_grad_()
+    if kind == "gpt_oss":  # random biases (HF's init leaves them zero), large enough for the clamps to act
+        for bias in (experts.gate_up_proj_bias, experts.down_proj_bias):
+            bias.data = torch.randn(bias.shape, generator=g) * 8
+    hidden = torch.randn(37, experts.gate_up_proj.shape[-1] if kind != "gpt_oss" else experts.hidden_size,
+                         generator=g).requires_grad_()
     index = torch.randint(0, experts.gate_up_proj.shape[0], (37, 2), generator=g)
     weights = torch.rand(37, 2, generator=g)
     return experts, hidden, index, weights
@@ -37,6 +42,40 @@ def _per_expert_reference(experts, hidden, index, weights, recipe):
 
 def _grads(experts, hidden, out, grad):
     return torch.autograd.grad(out, [hidden, experts.gate_up_proj, experts.down_proj], grad)
+
+
+def _gpt_oss_per_expert_reference(experts, hidden, index, weights, recipe):
+    """gpt-oss's forward, expert by expert, with each GEMM an MX linear on the stored [E, K, N] weights."""
+    out = torch.zeros_like(hidden)
+    for expert in range(experts.gate_up_proj.shape[0]):
+        token, slot = torch.where(index == expert)
+        if len(token):
+            gate_up = mx_linear(hidden[token], experts.gate_up_proj[expert].t(), experts.gate_up_proj_bias[expert],
+                                recipe)
+            y = mx_linear(experts._apply_gate(gate_up), experts.down_proj[expert].t(), experts.down_proj_bias[expert],
+                          recipe)
+            out = out.index_add(0, token, y * weights[token, slot, None])
+    return out
+
+
+def test_gpt_oss_experts_match_the_per_expert_reference():
+    """Transposed weights, per-expert biases and the clamped SwiGLU over interleaved gate/up: the
+    padding rows stay out of every block (zero after the gate), so each group's GEMMs are the
+    per-expert MX linears'."""
+    experts, hidden, index, weights = _experts(kind="gpt_oss")
+    params = [hidden, experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias, experts.down_proj_bias]
+    grad = torch.randn(37, hidden.shape[-1], generator=torch.Generator().manual_seed(1))
+    expected = _gpt_oss_per_expert_reference(experts, hidden, index, weights, RECIPE)
+    expected_grads = torch.autograd.grad(expected, params, grad)
+    gate_up = hidden @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]
+    assert (gate_up[:, ::2] > experts.limit).any() and (gate_up[:, 1::2].abs() > experts.limit).any()  # clamps act
+    plain = experts(hidden, index, weights)
+    to_mx_experts(experts, RECIPE)
+    got = experts(hidden, index, weights)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    for a, e in zip(torch.autograd.grad(got, params, grad), expected_grads, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+    assert sqnr_db(plain.detach(), got.detach()) >= 20
 
 
 def test_grouped_experts_match_the_per_expert_reference():

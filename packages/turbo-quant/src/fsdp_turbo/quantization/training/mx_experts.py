@@ -1,11 +1,15 @@
 """MX training for fused 3-D MoE experts (transformers v5 form: ``gate_up_proj [E, 2I, H]``,
-``down_proj [E, H, I]``, forward ``(hidden_states, top_k_index, top_k_weights)``).
+``down_proj [E, H, I]``, or transposed ``[E, H, 2I]`` / ``[E, I, H]`` as gpt-oss stores them,
+optional per-expert biases, forward ``(hidden_states, top_k_index, top_k_weights)``).
 
 Tokens are sorted expert-major once and each expert's group is padded with zero rows to the
 block size; the two expert GEMMs are MX grouped GEMMs (``mx_grouped_function``), so every
 group's weight-gradient GEMM quantizes along its own tokens. Recognised by form, not by
-class name. Zero rows stay zero through ``act(gate) * up`` (``up`` is zero there), and their
-gradients are zero.
+class name. The gate is the module's own (``core.model_inspect.expert_gate``: gpt-oss's
+clamped SwiGLU over interleaved gate/up, else ``act_fn(gate) * up``). Biases are added to
+the real rows only and the padding rows are zeroed after the gate, so they stay zero
+whatever the gate makes of a bias, and their gradients are zero: no padding row enters a
+block's scale along the tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 from torch import nn
 
 from fsdp_turbo.core.mixin import mix_in
-from fsdp_turbo.core.model_inspect import fused_experts_form, local_tensor
+from fsdp_turbo.core.model_inspect import expert_gate, fused_experts_form, local_tensor
 from fsdp_turbo.core.ops import register_op
 from fsdp_turbo.quantization.training.mx_grouped_function import mx_grouped_linear
 from fsdp_turbo.quantization.training.recipe import MXRecipe
@@ -26,13 +30,22 @@ def is_fused_experts(module: nn.Module) -> bool:
 
 def experts_unsupported(module: nn.Module, recipe: MXRecipe) -> str | None:
     form = fused_experts_form(module)
-    if form.transposed or form.has_bias:
-        return "MX experts take [E, 2I, H] / [E, H, I] weights without biases"
-    if not callable(getattr(module, "act_fn", None)):
-        return "MX experts gate with act_fn(gate) * up, and the module has no act_fn"
     bad = [f"{n}={v}" for n, v in (("hidden", form.hidden), ("intermediate", form.intermediate))
            if v % recipe.block_size]
     return f"{', '.join(bad)} not divisible by block_size={recipe.block_size}" if bad else None
+
+
+def _gemm_weight(module: nn.Module, name: str) -> torch.Tensor:
+    """This rank's block of fused weight ``name`` as the grouped GEMM takes it, ``[E, N, K]``
+    (a transposed view of gpt-oss's ``[E, K, N]``: the blocks still run along K)."""
+    weight = local_tensor(getattr(module, name))
+    return weight.transpose(1, 2) if module.mx_transposed else weight
+
+
+def _bias_rows(module: nn.Module, name: str, expert: torch.Tensor) -> torch.Tensor | None:
+    """Per-row bias ``[M, N]`` of each row's expert, or ``None`` for an unbiased module."""
+    bias = getattr(module, name, None)
+    return None if bias is None else local_tensor(bias)[expert]
 
 
 @register_op("mx.experts_grouped")
@@ -50,14 +63,22 @@ def mx_experts_grouped(module: nn.Module, x: torch.Tensor, group_sizes: torch.Te
     rows = (torch.cumsum(padded, 0) - padded)[expert] + rank_in_group
     padded_x = x.new_zeros(int(padded.sum()), x.shape[-1]).index_copy(0, rows, x)
     offsets = torch.cumsum(padded, 0)
-    gate, up = mx_grouped_linear(padded_x, local_tensor(module.gate_up_proj), offsets, recipe).chunk(2, dim=-1)
-    return mx_grouped_linear(module.act_fn(gate) * up, local_tensor(module.down_proj), offsets, recipe)[rows]
+    gate_up = mx_grouped_linear(padded_x, _gemm_weight(module, "gate_up_proj"), offsets, recipe)
+    if (bias := _bias_rows(module, "gate_up_proj_bias", expert)) is not None:
+        gate_up = gate_up.index_add(0, rows, bias.to(gate_up.dtype))
+    real = torch.zeros(gate_up.shape[0], 1, dtype=gate_up.dtype, device=x.device).index_fill_(0, rows, 1.0)
+    out = mx_grouped_linear(expert_gate(module, gate_up) * real, _gemm_weight(module, "down_proj"), offsets,
+                            recipe)[rows]
+    if (bias := _bias_rows(module, "down_proj_bias", expert)) is not None:
+        out = out + bias.to(out.dtype)
+    return out
 
 
 class MXFusedExperts(nn.Module):
     """Mixed into the experts' own class by :func:`to_mx_experts`; parameters are untouched."""
 
     mx_recipe: MXRecipe
+    mx_transposed: bool  # weights stored [E, K, N] (gpt-oss), not [E, N, K]
 
     # Eager under torch.compile (one graph break per MoE layer): each expert's padded group
     # size is data, so a traced version would recompile for every routing.
@@ -77,4 +98,4 @@ class MXFusedExperts(nn.Module):
 
 
 def to_mx_experts(module: nn.Module, recipe: MXRecipe) -> nn.Module:
-    return mix_in(module, MXFusedExperts, "MX", mx_recipe=recipe)
+    return mix_in(module, MXFusedExperts, "MX", mx_recipe=recipe, mx_transposed=fused_experts_form(module).transposed)
