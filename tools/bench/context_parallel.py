@@ -14,9 +14,12 @@ Printed:
   chunks (goal <= 0.6): each rank's ring block kernels, recorded in one step and run
   again one rank at a time (the best of three), since four ranks sharing fewer cores would slow each other's
   kernels by how many are busy at once, not by their own work; and the work itself
-  (query-key pairs the kernels compute, a causal tile counting half).
+  (query-key pairs the kernels compute, a causal tile counting half);
+- the 2026 families (``cp_families.py``): Qwen3-Next's Gated DeltaNet layer under Ulysses,
+  peak activation per rank at CP=4 vs no CP (goal <= 0.30); gpt-oss's sliding-window layer
+  on the ring, kernel calls and bytes sent vs the same layer as full causal attention.
 
-    python tools/bench/context_parallel.py [--seq 16384]
+    python tools/bench/context_parallel.py [--seq 16384] [--only families]
 """
 
 from __future__ import annotations
@@ -149,8 +152,20 @@ def theory_bytes(mode: str, seq: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=16384)
+    parser.add_argument("--only", choices=["llama", "families"], help="one part (default: both)")
     args = parser.parse_args()
+    if args.only != "families":
+        llama_rows(args.seq)
+    if args.only != "llama":
+        import cp_families  # it imports SentBytes from here
+
+        cp_families.run(args.seq, report)
+
+
+def llama_rows(seq: int) -> None:
     from fsdp_turbo.core.testing import run_distributed, run_reference
+
+    args = argparse.Namespace(seq=seq)
 
     baseline = run_reference(reference_job, args.seq, timeout=1800)
     runs = {mode: run_distributed(cp_job, CP, args.seq, mode, timeout=1800) for mode in MODES}
