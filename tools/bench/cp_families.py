@@ -9,7 +9,8 @@ layer each, float32, CP=4 on 4 gloo ranks, against the same layer in the same ru
 - gpt-oss's sliding-window layer (window 128, attention sinks) under the ring, zig-zag and
   contiguous: block-kernel calls (forward and backward) and bytes a rank sends (P2P sends,
   forward and backward) divided by the same layer as full causal attention (the layer type
-  changed, nothing else) on the same ring: what skipping the tiles a window cannot reach saves.
+  changed, nothing else) on the same ring: what skipping the tiles a window cannot reach saves;
+  and the query-key pairs those kernels compute (a tile runs whole, its mask applied inside).
 """
 
 from __future__ import annotations
@@ -64,18 +65,21 @@ def qwen3_next_cp_job(seq: int) -> int:
     return peak_activation_bytes(model, input_ids=ids, labels=ids, use_cache=False)
 
 
-def _counted_kernels() -> list[int]:
-    """Count the ring's block-kernel calls on this rank (forward and backward)."""
+def _counted_kernels() -> list[float]:
+    """Count the ring's block-kernel calls on this rank (forward and backward), and the
+    query-key pairs they compute (a causal tile: half; a window's mask saves nothing inside a tile)."""
     from fsdp_turbo.core.ops import get_op, register_op
     from fsdp_turbo.distributed.context_parallel.ring_kernels import BACKWARD, FORWARD
 
-    calls = [0]
+    calls = [0, 0.0]
     for name in (FORWARD, BACKWARD):
         inner = get_op(name, "cpu")
 
-        def counted(*args, inner=inner):
+        def counted(q, k, *args, inner=inner):
+            causal = args[-1] if isinstance(args[-1], bool) else False
             calls[0] += 1
-            return inner(*args)
+            calls[1] += q.shape[2] * k.shape[2] / (2 if causal else 1)
+            return inner(q, k, *args)
 
         register_op(name, "cpu", override=True)(counted)
     return calls
@@ -96,7 +100,7 @@ def gpt_oss_ring_job(seq: int, chunks: str, layer_type: str) -> dict:
     counter = SentBytes({"a2a": 1})
     with counter:
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    return {"calls": calls[0], "sent": counter.sent}
+    return {"calls": calls[0], "pairs": calls[1], "sent": counter.sent}
 
 
 def run(seq: int, report) -> None:
@@ -114,12 +118,17 @@ def run(seq: int, report) -> None:
                 for kind in ("sliding_attention", "full_attention")}
         calls = {kind: max(r["calls"] for r in ranks) for kind, ranks in runs.items()}
         sent = {kind: max(r["sent"] for r in ranks) for kind, ranks in runs.items()}
+        pairs = {kind: max(r["pairs"] for r in ranks) for kind, ranks in runs.items()}
         print(f"gpt-oss layer, window {WINDOW}, sequence {seq}, ring CP={CP} {chunks}: busiest rank's kernel calls "
               f"{calls['sliding_attention']} (full causal {calls['full_attention']}), bytes sent "
               f"{sent['sliding_attention'] / 2**20:.2f} MiB (full causal {sent['full_attention'] / 2**20:.2f} MiB)")
         report(f"gpt-oss sliding window {WINDOW} ring ({chunks}) block-kernel calls vs full causal, CP={CP}",
                calls["sliding_attention"] / calls["full_attention"], "reported",
                f"{calls['sliding_attention']} vs {calls['full_attention']} on the busiest rank, sequence {seq}")
+        report(f"gpt-oss sliding window {WINDOW} ring ({chunks}) query-key pairs computed vs full causal, CP={CP}",
+               pairs["sliding_attention"] / pairs["full_attention"], "reported",
+               f"{pairs['sliding_attention']:.3g} vs {pairs['full_attention']:.3g} on the busiest rank (a tile is "
+               "computed whole: the window's mask saves nothing inside it)")
         report(f"gpt-oss sliding window {WINDOW} ring ({chunks}) bytes sent vs full causal, CP={CP}",
                sent["sliding_attention"] / sent["full_attention"], "reported",
                f"{sent['sliding_attention'] / 2**20:.2f} vs {sent['full_attention'] / 2**20:.2f} MiB, forward and "
