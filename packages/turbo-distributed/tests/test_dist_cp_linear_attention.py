@@ -44,7 +44,8 @@ def test_gated_deltanet_ulysses_matches_one_process():
              ("next_cp4", "qwen3_next", {"context_parallel_size": 4}, "plain"),  # 2 key heads repeated to 4
              ("next_packed_cp2xfsdp2", "qwen3_next", fsdp2, "packed"),
              ("next_packed_cp4", "qwen3_next", {"context_parallel_size": 4}, "packed"),
-             ("qwen3_5_moe_cp2xfsdp2", "qwen3_5_moe", fsdp2, "plain")]
+             ("qwen3_5_moe_cp2xfsdp2", "qwen3_5_moe", fsdp2, "plain"),
+             ("qwen3_5_moe_packed_cp4", "qwen3_5_moe", {"context_parallel_size": 4}, "packed")]  # Qwen3.5's form
     expected = {(kind, loss): run_reference(reference_run, kind, BATCHES, "alone" if loss == "packed" else loss)
                 for _, kind, _, loss in cases}
     for results in run_distributed(cp_cases, 4, cases, BATCHES, timeout=600):
