@@ -19,14 +19,15 @@ def _ep(dispatcher: str) -> dict:
 
 
 CASES: dict[str, tuple[str, dict]] = {}
+RECOMPUTE_CHUNK_LOSS = {"fully_shard_parallel_size": 4, "recompute": True, "recompute_policy": "full",
+                       "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12}}
 for _kind in ("qwen3_next", "qwen3_5_moe"):
     CASES[f"{_kind} fsdp4"] = (_kind, {"fully_shard_parallel_size": 4})
     for _dispatcher in DISPATCHERS:
         CASES[f"{_kind} ep2 {_dispatcher}"] = (_kind, _ep(_dispatcher))
-    CASES[f"{_kind} fsdp4 recompute full + chunk loss"] = (_kind, {
-        "fully_shard_parallel_size": 4, "recompute": True, "recompute_policy": "full",
-        "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12}})
     CASES[f"{_kind} fsdp4 mxfp8"] = (_kind, {"fully_shard_parallel_size": 4, "quantization_plan": MX_PLAN})
+for _kind in ("qwen3_next", "qwen3_5_moe", "gpt_oss", "deepseek_v3"):
+    CASES[f"{_kind} fsdp4 recompute full + chunk loss"] = (_kind, RECOMPUTE_CHUNK_LOSS)
 # TP on the full-attention layers; the Gated DeltaNet layers kept whole (on the gathered sequence under SP)
 ATTENTION_TP = {"colwise_parallel": ["*.self_attn.q_proj", "*.self_attn.k_proj", "*.self_attn.v_proj"],
                 "rowwise_parallel": ["*.self_attn.o_proj"]}
