@@ -2,9 +2,9 @@
 float32, 4 AdamW steps: Qwen3-Next and Qwen3.5-MoE (Gated DeltaNet and softmax layers; MoE
 layers with a shared expert), DeepSeek-V3 (MLA: Ulysses and ring CP, EP, TP with sequence
 parallel) and gpt-oss (sliding-window layers and sinks: Ulysses, ring with zig-zag and with
-contiguous chunks, hybrid; MXFP8 with FSDP and with EP under every dispatcher). Every case runs in ONE 4-rank launch (about 33 s on 2 cores);
-each step's loss rtol 1e-5, the first step's gradients rtol 1e-4 / atol 1e-6, unless a case
-states otherwise (MXFP8)."""
+contiguous chunks, hybrid; MXFP8 with FSDP and with EP under every dispatcher). Every case
+runs in ONE 4-rank launch (about 35 s on 2 cores); each step's loss rtol 1e-5, the first
+step's gradients rtol 1e-4 / atol 1e-6, unless a case states otherwise (MXFP8)."""
 
 import pytest
 import torch
