@@ -99,6 +99,16 @@ def _fused_dims(gate_up: torch.Size, down: torch.Size, transposed: bool) -> tupl
     return (experts, hidden, two_inter // 2) if two_inter % 2 == 0 and tuple(down) == expected_down else None
 
 
+def fused_weights_transposed(module: nn.Module) -> bool | None:
+    """Whether fused experts store ``gate_up_proj`` / ``down_proj`` as ``[E, K, N]`` (gpt-oss),
+    not ``[E, N, K]``: as the module declares (``is_transposed``), else as the shapes say;
+    ``None`` if neither layout fits. A fact of the stored weights, read where they are used."""
+    gate_up, down = module.gate_up_proj, module.down_proj
+    declared = getattr(module, "is_transposed", None)
+    layouts = (bool(declared),) if declared is not None else (False, True)
+    return next((t for t in layouts if _fused_dims(gate_up.shape, down.shape, t)), None)
+
+
 def fused_experts_form(module: nn.Module) -> FusedExpertsForm | None:
     """The form of ``module`` if it is a fused experts container, else ``None``. The one
     recogniser: expert parallel and MX quantization both use it."""
@@ -107,12 +117,10 @@ def fused_experts_form(module: nn.Module) -> FusedExpertsForm | None:
         return None
     if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
         return None
-    declared = getattr(module, "is_transposed", None)
-    layouts = (bool(declared),) if declared is not None else (False, True)
-    found = next(((t, dims) for t in layouts if (dims := _fused_dims(gate_up.shape, down.shape, t))), None)
-    if found is None:
+    transposed = fused_weights_transposed(module)
+    if transposed is None:
         return None
-    transposed, (experts, hidden, inter) = found
+    experts, hidden, inter = _fused_dims(gate_up.shape, down.shape, transposed)
     # The gate is the module's own ``_apply_gate`` (HF's experts decorator adds one), else ``act_fn(gate) * up``.
     gated = callable(getattr(module, "_apply_gate", None)) or callable(getattr(module, "act_fn", None))
     if not gated or not has_router_forward(module):

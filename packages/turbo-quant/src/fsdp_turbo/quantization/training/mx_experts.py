@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fsdp_turbo.core.mixin import mix_in
-from fsdp_turbo.core.model_inspect import expert_gate, fused_experts_form, local_tensor
+from fsdp_turbo.core.model_inspect import expert_gate, fused_experts_form, fused_weights_transposed, local_tensor
 from fsdp_turbo.core.ops import register_op
 from fsdp_turbo.quantization.training.mx_grouped_function import mx_grouped_linear
 from fsdp_turbo.quantization.training.recipe import MXRecipe
@@ -39,7 +39,7 @@ def _gemm_weight(module: nn.Module, name: str) -> torch.Tensor:
     """This rank's block of fused weight ``name`` as the grouped GEMM takes it, ``[E, N, K]``
     (a transposed view of gpt-oss's ``[E, K, N]``: the blocks still run along K)."""
     weight = local_tensor(getattr(module, name))
-    return weight.transpose(1, 2) if module.mx_transposed else weight
+    return weight.transpose(1, 2) if fused_weights_transposed(module) else weight
 
 
 def _bias_rows(module: nn.Module, name: str, expert: torch.Tensor) -> torch.Tensor | None:
@@ -78,7 +78,6 @@ class MXFusedExperts(nn.Module):
     """Mixed into the experts' own class by :func:`to_mx_experts`; parameters are untouched."""
 
     mx_recipe: MXRecipe
-    mx_transposed: bool  # weights stored [E, K, N] (gpt-oss), not [E, N, K]
 
     # Eager under torch.compile (one graph break per MoE layer): each expert's padded group
     # size is data, so a traced version would recompile for every routing.
@@ -98,4 +97,4 @@ class MXFusedExperts(nn.Module):
 
 
 def to_mx_experts(module: nn.Module, recipe: MXRecipe) -> nn.Module:
-    return mix_in(module, MXFusedExperts, "MX", mx_recipe=recipe, mx_transposed=fused_experts_form(module).transposed)
+    return mix_in(module, MXFusedExperts, "MX", mx_recipe=recipe)
