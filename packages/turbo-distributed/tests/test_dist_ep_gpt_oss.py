@@ -118,26 +118,6 @@ def test_ep2_efsdp2_every_dispatcher_matches_one_process():
             assert placements[prefix + "router.bias"][2] == 4 and placements[prefix + "router.weight"][2] == 4
 
 
-def test_mx_training_names_what_gpt_oss_experts_lack():
-    """MX experts take untransposed weights without biases: gpt-oss's are left in high
-    precision with that reason, or refused when picked explicitly; never a crash."""
-    pytest.importorskip("fsdp_turbo.quantization")
-    from fsdp_turbo.core.errors import ConfigError
-    from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
-    from fsdp_turbo.quantization.converter.plan import plan_conversion
-
-    model = tiny_hf_causal_lm("gpt_oss")
-    facts = resolve_model_facts(model)
-    plan = FSDPTurboConfig.from_dict({"quantization_plan": {"block_size": 32}}).quantization_plan
-    conversions, skipped = plan_conversion(model, plan, facts)
-    assert conversions and all(".experts" not in c.name for c in conversions)
-    assert "weights without biases" in dict(skipped)["model.layers.0.mlp.experts"]
-    picked = {"quantization_plan": {"block_size": 32, "apply_modules": ["*mlp.experts"]}}
-    with pytest.raises(ConfigError, match="without biases") as error:
-        plan_conversion(model, FSDPTurboConfig.from_dict(picked).quantization_plan, facts)
-    assert error.value.field == "quantization_plan.apply_modules"
-
-
 def test_lora_on_gpt_oss_experts_matches_peft():
     """PEFT LoRA on the transposed, biased experts (``target_parameters``): the dispatchers'
     folded weights give PEFT's own output and adapter gradients (EP=1, one process)."""

@@ -333,15 +333,7 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
     block_names = set(blocks)
     planned = set(colwise) | set(rowwise) | set(sequence)
 
-    # A colwise projection inside a block's sub-module (attention, MLP) shares its input
-    # with its siblings: prepare that input once at the parent. In model order, so every
-    # rank makes the same plan. A parent holding the blocks is the model itself (the output
-    # head's parent under a wrapper's prefix, e.g. PEFT's base_model.model): its input is not
-    # the hidden states.
-    parents = {_parent(n) for n, m in colwise.items() if isinstance(m, nn.Linear) or is_lora_linear(m)}
-    holds_blocks = {ancestor for name in block_names for ancestor in _ancestors(name)}
-    hook_parents = [n for n, _ in model.named_modules()
-                    if n and n in parents and n not in block_names and n not in planned and n not in holds_blocks]
+    hook_parents = _hook_parents(model, colwise, block_names, planned)
     head_local = [name for name, module in model.named_modules()
                   if name and keep(name, module) and name not in planned and _parent(name) in hook_parents
                   and _own_params(module) and not _children_own_params(module)]
@@ -371,22 +363,46 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
         styles[name] = _latent_choice(model, name, known)
     whole = _whole_modules(model, styles, set(colwise) | set(rowwise), keep)
     if sp:
-        _check_sequence_region(model, plan, blocks, set(styles), whole)
-        styles[next(iter(blocks))] = StyleChoice(StyleKind.SCATTER_SEQUENCE)
-        if head_name is None:
-            raise ConfigError("tp_plan.sequence_parallel", list(plan.sequence_parallel),
-                              "name the output head in model_facts.head_module (sequence parallel gathers before it)",
-                              reason="the model has no get_output_embeddings() to find it by")
-        if head_name not in colwise:
-            styles[head_name] = StyleChoice(StyleKind.GATHER_REPLICATE)
+        styles.update(_sequence_region_styles(model, plan, blocks, styles, whole, head_name, colwise))
+
     # Inside the sequence region, a leftover module not behind a prepared (gathered) input
     # sees only this rank's tokens: an MoE router or its experts.
-    sequence_local = (lambda name: any(name.startswith(b + ".") for b in block_names)
-                      and not any(name.startswith(p + ".") for p in hook_parents)) if sp else (lambda name: False)
+    def sequence_local(name: str) -> bool:
+        return sp and _inside(name, block_names) and not _inside(name, hook_parents)
+
     for name in whole:
         styles[name] = StyleChoice(StyleKind.WHOLE_GATHERED if sequence_local(name) else StyleKind.WHOLE)
     _replicate_the_rest(model, styles, set(colwise) | set(rowwise), sequence_local, keep, whole)
     return styles
+
+
+def _hook_parents(model: nn.Module, colwise: dict[str, nn.Module], block_names: set[str],
+                  planned: set[str]) -> list[str]:
+    """A colwise projection inside a block's sub-module (attention, MLP) shares its input
+    with its siblings: that input is prepared once at the parent. In model order, so every
+    rank makes the same plan. A parent holding the blocks is the model itself (the output
+    head's parent under a wrapper's prefix, e.g. PEFT's base_model.model): its input is not
+    the hidden states."""
+    parents = {_parent(n) for n, m in colwise.items() if isinstance(m, nn.Linear) or is_lora_linear(m)}
+    holds_blocks = {ancestor for name in block_names for ancestor in _ancestors(name)}
+    return [n for n, _ in model.named_modules()
+            if n and n in parents and n not in block_names and n not in planned and n not in holds_blocks]
+
+
+def _sequence_region_styles(model: nn.Module, plan: TPPlanConfig, blocks: dict, styles: dict[str, StyleChoice],
+                            whole: list[str], head_name: str | None,
+                            colwise: dict[str, nn.Module]) -> dict[str, StyleChoice]:
+    """Sequence parallel's entry (the first block cuts the sequence) and exit (an output head
+    left whole gathers it), once every norm on the sequence-sharded path is known to be planned."""
+    _check_sequence_region(model, plan, blocks, set(styles), whole)
+    if head_name is None:
+        raise ConfigError("tp_plan.sequence_parallel", list(plan.sequence_parallel),
+                          "name the output head in model_facts.head_module (sequence parallel gathers before it)",
+                          reason="the model has no get_output_embeddings() to find it by")
+    added = {next(iter(blocks)): StyleChoice(StyleKind.SCATTER_SEQUENCE)}
+    if head_name not in colwise:
+        added[head_name] = StyleChoice(StyleKind.GATHER_REPLICATE)
+    return added
 
 
 def _known_head_parameter(module: nn.Module, parameter: str) -> HeadParameter | None:
@@ -536,7 +552,7 @@ def _whole_modules(model: nn.Module, styles: dict[str, StyleChoice], sharded: se
 
 
 def _check_sequence_region(model: nn.Module, plan: TPPlanConfig, blocks: dict, styled: set[str],
-                           whole: Collection[str] = ()) -> None:
+                           whole: Collection[str]) -> None:
     if not blocks:
         raise ConfigError("tp_plan.sequence_parallel", list(plan.sequence_parallel),
                           "sequence parallel needs a model with a repeated block list (e.g. decoder layers)")
@@ -552,7 +568,7 @@ def _check_sequence_region(model: nn.Module, plan: TPPlanConfig, blocks: dict, s
 
 def _replicate_the_rest(model: nn.Module, styles: dict[str, StyleChoice], sharded: set[str],
                         sequence_local: Callable[[str], bool], keep: Callable[[str, nn.Module], bool],
-                        whole: Collection[str] = ()) -> None:
+                        whole: Collection[str]) -> None:
     for name, module in model.named_modules():
         if (not name or not keep(name, module) or name in styles or name in sharded or not _own_params(module)
                 or _inside(name, whole)):

@@ -40,14 +40,61 @@ from torch.utils._pytree import tree_map
 
 SEQUENCE_DIM = 1
 
+# (module, parameter name): where a parameter is registered
+Slot = tuple[nn.Module, str]
+
+
+def _own_slots(module: nn.Module) -> list[Slot]:
+    return [(module, name) for name, _ in module.named_parameters(recurse=False)]
+
+
+def _distribute_parameters(slots: list[Slot], mesh: DeviceMesh, placement: Placement) -> None:
+    """Each parameter becomes a DTensor of ``placement`` on the TP mesh, keeping ``requires_grad``."""
+    for owner, name in slots:
+        param = owner._parameters[name]
+        distributed = distribute_tensor(param.detach(), mesh, [placement])
+        owner.register_parameter(name, nn.Parameter(distributed, requires_grad=param.requires_grad))
+
+
+class _LocalDuringForward:
+    """During a module's forward, each DTensor parameter in ``slots`` is ``local(param)`` (its
+    local tensor), so the module's own code runs on plain tensors; each gradient returns to the
+    DTensor through ``to_local``. Whatever is registered when the forward starts (possibly
+    FSDP's unsharded parameter) is put back after it."""
+
+    def __init__(self, slots: list[Slot], local=DTensor.to_local) -> None:
+        self.slots, self.local = slots, local
+        self._saved: list[list[tuple[nn.Module, str, nn.Parameter]]] = []
+
+    def swap_in(self) -> None:
+        current = [(owner, name, owner._parameters[name]) for owner, name in self.slots
+                   if isinstance(owner._parameters[name], DTensor)]
+        self._saved.append(current)
+        for owner, name, param in current:
+            owner._parameters[name] = self.local(param)
+
+    def restore(self) -> None:
+        for owner, name, param in self._saved.pop():
+            owner._parameters[name] = param
+
+
+def _gather_sequence(local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The whole sequence from every TP rank's slice (backward: this rank's slice of the gradient)."""
+    sharded = DTensor.from_local(local, mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+    return sharded.redistribute(mesh, [Replicate()]).to_local()
+
+
+def _cut_sequence(whole: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's sequence slice of a tensor every TP rank holds alike (backward: the slices'
+    gradients gathered)."""
+    replicated = DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
+    return replicated.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()
+
 
 def _replicate_own_parameters(target: nn.Module):
     def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        if module is not target:
-            return
-        for param_name, param in list(module.named_parameters(recurse=False)):
-            replicated = nn.Parameter(distribute_tensor(param, mesh, [Replicate()]), requires_grad=param.requires_grad)
-            module.register_parameter(param_name, replicated)
+        if module is target:
+            _distribute_parameters(_own_slots(module), mesh, Replicate())
 
     return partition
 
@@ -116,20 +163,19 @@ class ReplicateParallel(ParallelStyle):
         self.shared_tail = shared_tail
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, param in list(module.named_parameters(recurse=False)):
-            replicated = distribute_tensor(param.detach(), device_mesh, [Replicate()])
-            module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
-        saved: list[dict[str, nn.Parameter]] = []
+        slots = _own_slots(module)
+        _distribute_parameters(slots, device_mesh, Replicate())
+
+        def local(param: DTensor) -> torch.Tensor:
+            tensor = param.to_local()
+            if self.sum_grads and tensor.requires_grad:
+                tensor = _SumGradOverGroup.apply(tensor, device_mesh.get_group())
+            return tensor
+
+        params = _LocalDuringForward(slots, local)
 
         def swap_in(mod: nn.Module, args: tuple):
-            # Whatever is registered now (possibly FSDP's unsharded parameter) is restored after.
-            current = {n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)}
-            saved.append(current)
-            for name, param in current.items():
-                local = param.to_local()
-                if self.sum_grads and local.requires_grad:
-                    local = _SumGradOverGroup.apply(local, device_mesh.get_group())
-                mod._parameters[name] = local
+            params.swap_in()
             if self.gather_sequence:
                 return _gather_first_float(args, device_mesh)
             if self.local_input:
@@ -137,7 +183,7 @@ class ReplicateParallel(ParallelStyle):
             return None
 
         def swap_out(mod: nn.Module, args: tuple, output: Any):
-            mod._parameters.update(saved.pop())
+            params.restore()
             if self.shared_tail:
                 return _SumTailGradOverGroup.apply(output, device_mesh.get_group(), self.shared_tail)
             return None
@@ -156,8 +202,7 @@ def _gather_first_float(args: tuple, mesh: DeviceMesh) -> tuple:
     out, done = [], False
     for value in args:
         if not done and isinstance(value, torch.Tensor) and value.is_floating_point():
-            sharded = DTensor.from_local(value, mesh, [Shard(SEQUENCE_DIM)], run_check=False)
-            value, done = sharded.redistribute(mesh, [Replicate()]).to_local(), True
+            value, done = _gather_sequence(value, mesh), True
         out.append(value)
     return tuple(out)
 
@@ -230,24 +275,10 @@ def shard_head_parameters(module: nn.Module, mesh: DeviceMesh, dims: tuple[tuple
     attribute is this rank's local shard: its heads' entries; their gradient returns as the
     same ``Shard`` (every rank sees all tokens of its own heads, so nothing is summed)."""
     for name, dim in dims:
-        param = module._parameters[name]
-        sharded = distribute_tensor(param.detach(), mesh, [Shard(dim)])
-        module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-    names = [name for name, _ in dims]
-    saved: list[dict[str, nn.Parameter]] = []
-
-    def swap_in(mod: nn.Module, args: tuple) -> None:
-        # Whatever is registered now (possibly FSDP's unsharded parameter) is restored after.
-        current = {name: mod._parameters[name] for name in names}
-        saved.append(current)
-        for name, param in current.items():
-            mod._parameters[name] = param.to_local()
-
-    def swap_out(mod: nn.Module, args: tuple, output: Any) -> None:
-        mod._parameters.update(saved.pop())
-
-    module.register_forward_pre_hook(swap_in)
-    module.register_forward_hook(swap_out)
+        _distribute_parameters([(module, name)], mesh, Shard(dim))
+    params = _LocalDuringForward([(module, name) for name, _ in dims])
+    module.register_forward_pre_hook(lambda mod, args: params.swap_in())
+    module.register_forward_hook(lambda mod, args, output: params.restore())
 
 
 class PrepareHiddenStates(_HiddenStatesHook):
@@ -292,8 +323,7 @@ class ScatterSequence(_HiddenStatesHook):
         if length % ways:
             raise ValueError(f"sequence parallel needs the sequence length ({length}) to be a multiple of the "
                              f"tensor-parallel size ({ways}); pad the batch")
-        replicated = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
-        local = replicated.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()
+        local = _cut_sequence(hidden, mesh)
         key = id(local)
         self._produced[key] = weakref.ref(local, lambda _, key=key: self._produced.pop(key, None))
         return local
@@ -316,31 +346,21 @@ class WholeModuleParallel(ParallelStyle):
         self.sequence_parallel = sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        owners = [(owner, name) for owner in module.modules() for name, _ in owner.named_parameters(recurse=False)]
-        for owner, name in owners:
-            param = owner._parameters[name]
-            replicated = distribute_tensor(param.detach(), device_mesh, [Replicate()])
-            owner.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
-        saved: list[list[tuple[nn.Module, str, nn.Parameter]]] = []
+        slots = [slot for owner in module.modules() for slot in _own_slots(owner)]
+        _distribute_parameters(slots, device_mesh, Replicate())
+        params = _LocalDuringForward(slots)
 
         def swap_in(mod: nn.Module, args: tuple, kwargs: dict):
-            # Whatever is registered now (possibly FSDP's unsharded parameter) is restored after.
-            current = [(owner, name, owner._parameters[name]) for owner, name in owners
-                       if isinstance(owner._parameters[name], DTensor)]
-            saved.append(current)
-            for owner, name, param in current:
-                owner._parameters[name] = param.to_local()
+            params.swap_in()
             if not self.sequence_parallel:
                 return None
             slot = _hidden_states_slot(args, kwargs)
             if slot is None:
                 raise ValueError(f"{type(mod).__name__} got no hidden_states tensor to gather for sequence parallel")
-            sharded = DTensor.from_local(slot[1], device_mesh, [Shard(SEQUENCE_DIM)], run_check=False)
-            return _replace(args, kwargs, slot[0], sharded.redistribute(device_mesh, [Replicate()]).to_local())
+            return _replace(args, kwargs, slot[0], _gather_sequence(slot[1], device_mesh))
 
         def swap_out(mod: nn.Module, args: tuple, kwargs: dict, output: Any):
-            for owner, name, param in saved.pop():
-                owner._parameters[name] = param
+            params.restore()
             if not self.sequence_parallel:
                 return None
             return tree_map(lambda t: _cut_sequence(t, device_mesh) if isinstance(t, torch.Tensor) else t, output)
@@ -348,10 +368,3 @@ class WholeModuleParallel(ParallelStyle):
         module.register_forward_pre_hook(swap_in, with_kwargs=True)
         module.register_forward_hook(swap_out, with_kwargs=True)
         return module
-
-
-def _cut_sequence(whole: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """This rank's sequence slice of a tensor every TP rank computed alike (backward: the
-    slices' gradients gathered)."""
-    replicated = DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
-    return replicated.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()

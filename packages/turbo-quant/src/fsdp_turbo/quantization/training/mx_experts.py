@@ -35,11 +35,13 @@ def experts_unsupported(module: nn.Module, recipe: MXRecipe) -> str | None:
     return f"{', '.join(bad)} not divisible by block_size={recipe.block_size}" if bad else None
 
 
-def _gemm_weight(module: nn.Module, name: str) -> torch.Tensor:
-    """This rank's block of fused weight ``name`` as the grouped GEMM takes it, ``[E, N, K]``
-    (a transposed view of gpt-oss's ``[E, K, N]``: the blocks still run along K)."""
-    weight = local_tensor(getattr(module, name))
-    return weight.transpose(1, 2) if fused_weights_transposed(module) else weight
+def _gemm_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``gate_up_proj`` / ``down_proj`` as the grouped GEMM takes them, ``[E, N, K]``
+    (transposed views of gpt-oss's ``[E, K, N]``: the blocks still run along K)."""
+    weights = local_tensor(module.gate_up_proj), local_tensor(module.down_proj)
+    if fused_weights_transposed(module):
+        return weights[0].transpose(1, 2), weights[1].transpose(1, 2)
+    return weights
 
 
 def _bias_rows(module: nn.Module, name: str, expert: torch.Tensor) -> torch.Tensor | None:
@@ -63,12 +65,12 @@ def mx_experts_grouped(module: nn.Module, x: torch.Tensor, group_sizes: torch.Te
     rows = (torch.cumsum(padded, 0) - padded)[expert] + rank_in_group
     padded_x = x.new_zeros(int(padded.sum()), x.shape[-1]).index_copy(0, rows, x)
     offsets = torch.cumsum(padded, 0)
-    gate_up = mx_grouped_linear(padded_x, _gemm_weight(module, "gate_up_proj"), offsets, recipe)
+    gate_up_weight, down_weight = _gemm_weights(module)
+    gate_up = mx_grouped_linear(padded_x, gate_up_weight, offsets, recipe)
     if (bias := _bias_rows(module, "gate_up_proj_bias", expert)) is not None:
         gate_up = gate_up.index_add(0, rows, bias.to(gate_up.dtype))
     real = torch.zeros(gate_up.shape[0], 1, dtype=gate_up.dtype, device=x.device).index_fill_(0, rows, 1.0)
-    out = mx_grouped_linear(expert_gate(module, gate_up) * real, _gemm_weight(module, "down_proj"), offsets,
-                            recipe)[rows]
+    out = mx_grouped_linear(expert_gate(module, gate_up) * real, down_weight, offsets, recipe)[rows]
     if (bias := _bias_rows(module, "down_proj_bias", expert)) is not None:
         out = out + bias.to(out.dtype)
     return out
