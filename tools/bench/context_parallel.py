@@ -71,7 +71,7 @@ def reference_job(seq: int) -> int:
     return peak_activation_bytes(_model(), input_ids=ids, labels=ids, use_cache=False)
 
 
-def _timed_kernels() -> tuple[list[float], list]:
+def timed_kernels() -> tuple[list[float], list]:
     """Count every ring block kernel's work on this rank and keep its calls for the replay."""
     from fsdp_turbo.core.ops import get_op, register_op
     from fsdp_turbo.distributed.context_parallel.ring_kernels import BACKWARD, FORWARD
@@ -116,7 +116,7 @@ def cp_job(seq: int, mode: str) -> dict:
     from fsdp_turbo.distributed.context_parallel import apply_context_parallel
     from fsdp_turbo.fsdp_turbo_config import CPPlanConfig
 
-    work, calls = _timed_kernels()
+    work, calls = timed_kernels()
     plan = MODES[mode]
     model = _model()
     mesh = init_device_mesh("cpu", (CP,), mesh_dim_names=("cp",))

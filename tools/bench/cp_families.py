@@ -16,7 +16,7 @@ layer each, float32, CP=4 on 4 gloo ranks, against the same layer in the same ru
 from __future__ import annotations
 
 import torch
-from context_parallel import SentBytes
+from context_parallel import SentBytes, timed_kernels  # the Llama rows' counters
 from ulysses import peak_activation_bytes
 
 CP = 4
@@ -65,26 +65,6 @@ def qwen3_next_cp_job(seq: int) -> int:
     return peak_activation_bytes(model, input_ids=ids, labels=ids, use_cache=False)
 
 
-def _counted_kernels() -> list[float]:
-    """Count the ring's block-kernel calls on this rank (forward and backward), and the
-    query-key pairs they compute (a causal tile: half; a window's mask saves nothing inside a tile)."""
-    from fsdp_turbo.core.ops import get_op, register_op
-    from fsdp_turbo.distributed.context_parallel.ring_kernels import BACKWARD, FORWARD
-
-    calls = [0, 0.0]
-    for name in (FORWARD, BACKWARD):
-        inner = get_op(name, "cpu")
-
-        def counted(q, k, *args, inner=inner):
-            causal = args[-1] if isinstance(args[-1], bool) else False
-            calls[0] += 1
-            calls[1] += q.shape[2] * k.shape[2] / (2 if causal else 1)
-            return inner(q, k, *args)
-
-        register_op(name, "cpu", override=True)(counted)
-    return calls
-
-
 def gpt_oss_ring_job(seq: int, chunks: str, layer_type: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -92,15 +72,16 @@ def gpt_oss_ring_job(seq: int, chunks: str, layer_type: str) -> dict:
     from fsdp_turbo.distributed.context_parallel import apply_context_parallel
     from fsdp_turbo.fsdp_turbo_config import CPPlanConfig
 
-    calls = _counted_kernels()
+    work, calls = timed_kernels()  # query-key pairs (a causal tile: half; a window's mask saves nothing inside one)
     model = tiny_hf_causal_lm("gpt_oss", **GPT_OSS, layer_types=[layer_type])
     apply_context_parallel(model, CPPlanConfig.from_dict(RING[chunks]),
                            init_device_mesh("cpu", (CP,), mesh_dim_names=("cp",)))
     ids = _tokens(seq)
     counter = SentBytes({"a2a": 1})
+    calls[:] = [True]  # from here each kernel call is kept: counted
     with counter:
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    return {"calls": calls[0], "pairs": calls[1], "sent": counter.sent}
+    return {"calls": len(calls) - 1, "pairs": work[0], "sent": counter.sent}
 
 
 def run(seq: int, report) -> None:
