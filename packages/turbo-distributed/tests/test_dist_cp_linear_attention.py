@@ -14,12 +14,12 @@ from distributed_jobs import BATCHES
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.families.qwen3_5 import Qwen35GatedDeltaNetForm
+from fsdp_turbo.core.families.qwen3_next import Qwen3NextGatedDeltaNetForm
 from fsdp_turbo.core.model_facts import resolve_model_facts
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 from fsdp_turbo.distributed.context_parallel.linear_attention import (
-    Qwen3NextGatedDeltaNetForm,
-    Qwen35GatedDeltaNetForm,
     causal_conv,
     document_bounds,
     key_heads_after_split,
@@ -76,7 +76,7 @@ def test_heads_that_do_not_split_are_refused():
     # 4 value heads: CP=4 splits them (the 2 key heads repeated to 4), CP=8 cannot.
     assert key_heads_after_split(2, 4, 2) == 2 and key_heads_after_split(2, 4, 4) == 4
     assert _plan("qwen3_next", 4).linear_layers
-    with pytest.raises(ConfigError, match="linear_num_value_heads=4") as error:
+    with pytest.raises(ConfigError, match="divides the 4 linear-attention value heads") as error:
         _plan("qwen3_next", 8)
     assert error.value.field == "context_parallel_size"
     with pytest.raises(ConfigError) as error:
@@ -92,7 +92,7 @@ def test_an_unknown_recurrent_mixer_is_refused():
 
     model = tiny_hf_causal_lm("llama")
     model.model.layers[0].mixer = Mixer()
-    with pytest.raises(ConfigError, match="recurrent sequence mixer"):
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.mixer is a recurrent token mixer"):
         plan_context_parallel(model, None, 2, resolve_model_facts(model))
 
 

@@ -15,8 +15,8 @@ from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.model_facts import resolve_model_facts
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
-from fsdp_turbo.distributed.context_parallel.context import CPState, ForwardContext
-from fsdp_turbo.distributed.context_parallel.inputs import _prove_the_wrapper_ran
+from fsdp_turbo.distributed.context_parallel.context import CPState
+from fsdp_turbo.distributed.context_parallel.plan import LayerSpec
 from fsdp_turbo.distributed.context_parallel.transform import plan_context_parallel
 from fsdp_turbo.distributed.tensor_parallel import StyleChoice, StyleKind, resolve_tp_plan
 from fsdp_turbo.fsdp_turbo_config import CPPlanConfig, TPPlanConfig
@@ -46,7 +46,7 @@ def test_a_parameter_the_planner_does_not_know_is_refused_at_plan_time(shape, ki
     a ConfigError naming it, not a shape error in the forward."""
     model = tiny_hf_causal_lm("llama")
     model.model.layers[1].self_attn.head_gate = nn.Parameter(torch.zeros(shape))
-    with pytest.raises(ConfigError, match="HEAD_PARAMETERS") as caught:
+    with pytest.raises(ConfigError, match=r"model_facts\.head_parameters") as caught:
         _resolve(model)
     assert caught.value.field == "tp_plan.colwise_parallel"
     assert caught.value.value == "model.layers.1.self_attn.head_gate"
@@ -71,18 +71,18 @@ def test_context_parallel_plans_the_sliding_window_layers():
         assert rows["cp_plan (sliding window)"] == (f"layers [0]: masked by their window{skipped}",)
 
 
-def test_a_sliding_layer_that_does_not_pass_its_window_is_refused_on_the_first_forward():
-    """An attention that drops its window would attend over the whole sequence under CP: the
-    first forward's check counts the calls that carried one (no collective involved)."""
-    state = CPState(None, 2, 0, attention_layers=2, sliding_layers=1,
-                    current=ForwardContext(16, attention_calls=2, sliding_calls=0))
-    with pytest.raises(ConfigError) as caught:
-        _prove_the_wrapper_ran(state)
-    assert (caught.value.field, caught.value.value) == ("model.config.sliding_window", "not passed")
-    assert "declares 1 sliding-window layers, but only 0 passed their window" in caught.value.reason
-    state.current.sliding_calls = 1
-    _prove_the_wrapper_ran(state)
-    assert state.proven
+def test_the_windows_and_sinks_come_from_the_model_facts():
+    """The wrapper reads each attention module's window and per-head tensors from the plan (by
+    the module HF passes it), not from the call: an attention that dropped its window would
+    otherwise attend over the whole sequence under CP."""
+    model = tiny_hf_causal_lm("gpt_oss")
+    plan = plan_context_parallel(model, CPPlanConfig(), 2, resolve_model_facts(model))
+    specs = {spec.name: (spec.window, spec.chunk, spec.head_parameters) for spec in plan.layers}
+    assert specs == {"model.layers.0.self_attn": (8, None, ("sinks",)),
+                     "model.layers.1.self_attn": (None, None, ("sinks",))}
+    state = CPState(None, 2, 0, layers={model.get_submodule(spec.name): spec for spec in plan.layers})
+    assert state.spec(model.model.layers[0].self_attn).window == 8
+    assert state.spec(model.model.layers[0].mlp) == LayerSpec("")
 
 
 @pytest.mark.multirank

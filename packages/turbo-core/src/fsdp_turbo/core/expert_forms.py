@@ -1,52 +1,41 @@
 """The registry of expert-container forms: how the model facts recognise MoE experts.
 
-A form is a class with a ``form`` description and a ``detect(module)`` classmethod that
-returns something (expert parallel's adapter) when ``module`` is an expert container of
-that shape, else ``None``. Expert parallel registers its forms here (``turbo-distributed``'s
-``register_expert_form`` checks they are full adapters first); the model facts ask the
-registry which modules are expert containers, so no feature recognises experts on its own.
-Newest first: a form registered later may take over a module a built-in one also matches.
+A form's ``detect(module)`` returns expert parallel's adapter when ``module`` is an expert
+container of that shape, else ``None``. Expert parallel registers its forms here
+(``turbo-distributed``'s ``register_expert_form`` checks they are full adapters first); the
+model facts ask the registry which modules are expert containers, so no feature recognises
+experts on its own. The registry is the generic :class:`~fsdp_turbo.core.forms.FormRegistry`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from torch import nn
 
+from fsdp_turbo.core.forms import Form, FormRegistry
 
-class ExpertForm(Protocol):
-    form: str  # a description, named in errors for a module no form recognises
+ExpertForm = Form
 
-    @classmethod
-    def detect(cls, module: nn.Module) -> Any | None: ...
-
-
-_FORMS: list[type[ExpertForm]] = []
+EXPERT_FORMS: FormRegistry[type[Form]] = FormRegistry("expert")
 
 
-def add_expert_form(cls: type[ExpertForm]) -> None:
+def add_expert_form(cls: type[Form]) -> None:
     """Put ``cls`` first among the forms tried (moving it there if it was registered)."""
-    remove_expert_form(cls)
-    _FORMS.insert(0, cls)
+    EXPERT_FORMS.add(cls)
 
 
-def remove_expert_form(cls: type[ExpertForm]) -> None:
+def remove_expert_form(cls: type[Form]) -> None:
     """Forget ``cls`` (a no-op if it is not registered)."""
-    if cls in _FORMS:
-        _FORMS.remove(cls)
+    EXPERT_FORMS.remove(cls)
 
 
-def registered_expert_forms() -> Sequence[type[ExpertForm]]:
+def registered_expert_forms() -> Sequence[type[Form]]:
     """The registered forms, in the order they are tried."""
-    return tuple(_FORMS)
+    return EXPERT_FORMS.registered()
 
 
-def recognise_experts(module: nn.Module) -> tuple[type[ExpertForm], Any] | None:
+def recognise_experts(module: nn.Module) -> tuple[type[Form], Any] | None:
     """``(form, what its detect returned)`` of the first form that recognises ``module``."""
-    for form in _FORMS:
-        found = form.detect(module)
-        if found is not None:
-            return form, found
-    return None
+    return EXPERT_FORMS.recognise(module)

@@ -21,14 +21,29 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.expert_forms import recognise_experts
-from fsdp_turbo.core.model_inspect import model_config_value
+from fsdp_turbo.core.families import family_for
+from fsdp_turbo.core.families.resolve import (
+    AttentionLayer,
+    HeadParameterFact,
+    HeadsNormFact,
+    LatentFact,
+    ModelSizes,
+    attention_layers,
+    head_counts,
+    head_parameters,
+    heads_norms,
+    indexers,
+    latent_modules,
+    model_sizes,
+    routers,
+)
 from fsdp_turbo.core.patterns import match_modules
 from fsdp_turbo.core.validation import ConfigSection, check_int, check_optional_patterns
 
@@ -116,6 +131,24 @@ class ModelFactsConfig(ConfigSection):
     """The model's key/value heads (grouped-query attention). Unset: ``config.num_key_value_heads``
     (or ``n_kv_heads``), else the query heads."""
 
+    head_parameters: tuple[str, ...] | None = None
+    """Patterns of parameters an attention holds itself, one entry per query head along dim 0,
+    written ``module.parameter``, e.g. ``["layers.*.attention.sinks"]``: tensor parallel splits
+    them with the heads, Ulysses cuts them to each rank's heads. Added to the registered
+    families' (gpt-oss's sinks)."""
+
+    latent_modules: tuple[str, ...] | None = None
+    """Patterns of modules inside an attention whose output every head reads, e.g. a low-rank
+    key/value projection ``["layers.*.attention.kv_latent"]``: tensor parallel keeps them whole
+    beside the head-split projections and sums their gradient. Added to the registered
+    families' (DeepSeek's MLA). A latent whose last outputs every head reads directly (MLA's
+    rotary key) is declared with ``fsdp_turbo.core.families.register_family``."""
+
+    router_modules: tuple[str, ...] | None = None
+    """Patterns of the MoE routers, e.g. ``["layers.*.moe.router"]``: quantization leaves them
+    in high precision. Unset: the registered families' router classes and Hugging Face's
+    convention (a ``gate`` or ``router`` beside the expert container)."""
+
     def __post_init__(self) -> None:
         p = self._prefix
         _set(self, "blocks", check_optional_patterns(self.blocks, f"{p}.blocks"))
@@ -136,6 +169,8 @@ class ModelFactsConfig(ConfigSection):
         for name in ("num_attention_heads", "num_key_value_heads"):
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), f"{p}.{name}", minimum=1)
+        for name in ("head_parameters", "latent_modules", "router_modules"):
+            _set(self, name, check_optional_patterns(getattr(self, name), f"{p}.{name}"))
 
 
 # ----- the facts ---------------------------------------------------------------------------
@@ -191,6 +226,15 @@ class ModelFacts:
     num_attention_heads: int | None
     num_key_value_heads: int | None
     sources: tuple[tuple[str, str], ...] = ()  # fact -> "detected: ..." or "configured: model_facts.X"
+    # the family facts (core.families), resolved to module names
+    family: str = ""  # the family whose model facts apply ("" : Hugging Face's conventions)
+    attention_layers: tuple[AttentionLayer, ...] = ()  # every token mixer, with its kind
+    head_parameters: tuple[HeadParameterFact, ...] = ()  # per-head parameters attentions hold
+    latent_modules: tuple[LatentFact, ...] = ()  # modules whose output every head reads
+    heads_norms: tuple[HeadsNormFact, ...] = ()  # norms over every head's channels at once
+    routers: tuple[str, ...] = ()
+    indexers: tuple[str, ...] = ()  # modules picking a sparse attention's keys
+    sizes: ModelSizes = field(default_factory=ModelSizes)
 
     def source(self, fact: str) -> str:
         return dict(self.sources).get(fact, "")
@@ -205,12 +249,23 @@ class ModelFacts:
                               "model_facts.blocks", reason="the model has no recognisable repeated blocks")
         return {name: model.get_submodule(name) for name in self.blocks}
 
+    def layers_of(self, kind: str) -> tuple[AttentionLayer, ...]:
+        """The token mixers of one kind (an ``AttentionKind`` value)."""
+        return tuple(layer for layer in self.attention_layers if layer.kind == kind)
+
+    def head_parameters_of(self, module: str) -> tuple[HeadParameterFact, ...]:
+        return tuple(p for p in self.head_parameters if p.module == module)
+
+    def latent(self, module: str) -> LatentFact | None:
+        return next((latent for latent in self.latent_modules if latent.module == module), None)
+
     def rows(self) -> tuple[FactRow, ...]:
         def row(label: str, fact: str, value: str) -> FactRow:
             return FactRow(label, value, self.source(fact))
 
         heads = "not declared" if self.num_attention_heads is None else (
             f"{self.num_attention_heads} query, {self.num_key_value_heads} key/value")
+        per_head = tuple(f"{p.module}.{p.parameter}" for p in self.head_parameters)
         return (row("repeated blocks", "blocks", _names(self.blocks)),
                 row("output head", "head", self.head or "none found"),
                 row("embedding", "embedding", self.embedding or "none found"),
@@ -218,7 +273,11 @@ class ModelFacts:
                 row("inputs", "inputs", f"tokens '{self.token_input}', positions '{self.position_input}'"),
                 row("expert containers", "experts", _names(tuple(e.name for e in self.experts))),
                 row("ignore_index", "ignore_index", str(self.ignore_index)),
-                row("attention heads", "heads", heads))
+                row("attention heads", "heads", heads),
+                row("family", "family", self.family or "Hugging Face's conventions"),
+                row("per-head parameters", "head_parameters", _names(per_head)),
+                row("latents every head reads", "latent_modules", _names(tuple(m.module for m in self.latent_modules))),
+                row("routers", "routers", _names(self.routers)))
 
 
 def _names(names: tuple[str, ...]) -> str:
@@ -320,15 +379,6 @@ def _experts(model: nn.Module, config: ModelFactsConfig) -> tuple[tuple[ExpertCo
     return tuple(ExpertContainer(n, form(m)) for n, m in recognised.items()), "detected: registered expert forms"
 
 
-def _heads(model: nn.Module, config: ModelFactsConfig) -> tuple[int | None, int | None, str]:
-    if config.num_attention_heads is not None:
-        heads, source = config.num_attention_heads, "configured: model_facts.num_attention_heads"
-    else:
-        heads, source = model_config_value(model, "num_attention_heads", "n_head", "num_heads"), "detected: config"
-    kv_heads = config.num_key_value_heads or model_config_value(model, "num_key_value_heads", "n_kv_heads") or heads
-    return heads, kv_heads, source if heads is not None else "detected: none"
-
-
 def resolve_model_facts(model: nn.Module, config: ModelFactsConfig | None = None) -> ModelFacts:
     """The facts of ``model``, each from ``config`` where it is set, else detected. Raises
     ``ConfigError`` (the same on every rank); reads the model only, never communicates."""
@@ -343,8 +393,9 @@ def resolve_model_facts(model: nn.Module, config: ModelFactsConfig | None = None
                                                 "get_input_embeddings")
     attention, attention_source = _attention(model, config)
     experts, experts_source = _experts(model, config)
-    heads, kv_heads, heads_source = _heads(model, config)
+    heads, kv_heads, heads_source = head_counts(model, config.num_attention_heads, config.num_key_value_heads)
     configured_inputs = config.token_input is not None or config.position_input is not None
+    family = family_for(getattr(model, "config", None))
     return ModelFacts(
         blocks=blocks, head=head, embedding=embedding, attention=attention,
         token_input=config.token_input or DEFAULT_TOKEN_INPUT,
@@ -357,4 +408,21 @@ def resolve_model_facts(model: nn.Module, config: ModelFactsConfig | None = None
                  ("experts", experts_source),
                  ("ignore_index", "configured: model_facts.ignore_index" if config.ignore_index != IGNORE_INDEX
                   else "default"),
-                 ("heads", heads_source)))
+                 ("heads", heads_source),
+                 ("family", "detected: config.model_type" if family else "default"),
+                 ("head_parameters", _family_source(config.head_parameters, "head_parameters")),
+                 ("latent_modules", _family_source(config.latent_modules, "latent_modules")),
+                 ("routers", "configured: model_facts.router_modules" if config.router_modules
+                  else "detected: families and HF's convention")),
+        family=family.name if family else "",
+        attention_layers=attention_layers(model, blocks),
+        head_parameters=head_parameters(model, config.head_parameters),
+        latent_modules=latent_modules(model, config.latent_modules),
+        heads_norms=heads_norms(model),
+        routers=routers(model, config.router_modules),
+        indexers=indexers(model),
+        sizes=model_sizes(model, len(blocks), heads, kv_heads))
+
+
+def _family_source(configured: tuple[str, ...] | None, name: str) -> str:
+    return f"families and configured: model_facts.{name}" if configured else "detected: families"

@@ -15,7 +15,6 @@ class ForwardContext:
     padding_mask: torch.Tensor | None = None  # [B, seq_len] bool, True = a real token, or None
     documents: torch.Tensor | None = None  # [B, seq_len] packed-document index of each token, or None
     attention_calls: int = 0  # how many attention layers ran through the Ulysses wrapper
-    sliding_calls: int = 0  # how many of them passed a sliding_window (HF's argument)
     linear_calls: int = 0  # how many linear-attention layers ran through theirs
     # ring / hybrid: the global positions (in the padded sequence) of each ring member's tokens
     ring_positions: list[torch.Tensor] | None = None
@@ -32,7 +31,7 @@ class CPState:
     rank: int
     current: ForwardContext | None = field(default=None)
     attention_layers: int = 0  # the wrapper must run this many times a forward (0: not checked)
-    sliding_layers: int = 0  # of which this many with the window the config declares (layer_types)
+    layers: dict = field(default_factory=dict)  # attention module -> its LayerSpec (window, chunk, per-head tensors)
     linear_layers: int = 0  # the linear-attention forward must run this many times a forward
     mode: str = "ulysses"  # "ring" or "hybrid"
     load_balance: bool = True  # ring / hybrid: zig-zag chunks over the ring
@@ -52,6 +51,13 @@ class CPState:
             self.ring_group, self.ring_size, self.ring_rank, self.ulysses_size = self.group, self.size, self.rank, 1
 
     proven: bool = False  # the first forward ran the wrapper in every attention layer
+
+    def spec(self, module):
+        """The plan's ``LayerSpec`` of an attention module (an empty one for a module the model
+        facts do not list: a non-HF core attention, whose call says what it needs)."""
+        from fsdp_turbo.distributed.context_parallel.plan import LayerSpec
+
+        return self.layers.get(module) or LayerSpec("")
 
     @property
     def ulysses_rank(self) -> int:

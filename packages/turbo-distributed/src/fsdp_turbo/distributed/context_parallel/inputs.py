@@ -173,14 +173,6 @@ def _prove_the_wrapper_ran(state: CPState) -> None:
                           "imported it, e.g. 'my_model.layers.attention'), or use an HF attn_implementation",
                           reason=f"the Ulysses wrapper ran in {calls} of {state.attention_layers} attention layers, "
                                  "so attention would cover only this rank's chunk")
-    sliding = state.current.sliding_calls if state.current is not None else 0
-    if sliding < state.sliding_layers:
-        raise ConfigError("model.config.sliding_window", "not passed",
-                          "use an HF attention that passes sliding_window to its attention function, or "
-                          "context_parallel_size=1",
-                          reason=f"model.config.layer_types declares {state.sliding_layers} sliding-window layers, "
-                                 f"but only {sliding} passed their window to the context-parallel attention, which "
-                                 "would attend over the whole sequence")
     linear = state.current.linear_calls if state.current is not None else 0
     if linear < state.linear_layers:
         raise ConfigError("context_parallel_size", state.size, "use context_parallel_size=1 for this model",

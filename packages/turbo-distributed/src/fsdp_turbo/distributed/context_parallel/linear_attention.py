@@ -1,22 +1,19 @@
-"""Linear attention (Gated DeltaNet) under Ulysses context parallel, and the registry of the
-linear-attention forms it recognises.
+"""Linear attention (Gated DeltaNet, Kimi Delta Attention) under Ulysses context parallel.
 
 A linear-attention layer carries a state along the sequence (the causal short convolution's
 window, the delta rule's matrix state), so its sequence chunk alone is not enough. Under
 Ulysses it is run like softmax attention: the per-token projections stay local (each rank its
 chunk); one all-to-all takes q, k, v and the gates ``b``, ``a`` from ``[B, S/cp, heads, d]`` to
 ``[B, S, heads/cp, d]``; the convolution (the rank's heads' channels of its depthwise weight)
-and the delta rule (its heads' ``A_log`` / ``dt_bias``) run unchanged over the whole sequence;
-one all-to-all takes the output back before the gated norm and the output projection. Packed
-documents (``position_ids`` restarting inside a row) restart the convolution and the delta
-rule at each document. A ring cannot do this (the state would have to pass from rank to rank
-along the sequence): ``refuse_ring`` stops it when planning.
+and the delta rule (its heads' decay) run unchanged over the whole sequence; one all-to-all
+takes the output back before the gated norm and the output projection. Packed documents
+(``position_ids`` restarting inside a row) restart the convolution and the delta rule at each
+document. A ring cannot do this (the state would have to pass from rank to rank along the
+sequence): ``refuse_ring`` stops it when planning.
 
-A form is a class with a ``form`` description, ``detect(module) -> bool`` and
-``project(module, hidden_states) -> Projections`` (the layer's per-token projections, in
-heads); the rest of the layer (convolution, gates, delta rule, gated norm, output projection)
-is the Gated DeltaNet's and shared. Newest first: a form registered later may take over a
-module a built-in one also matches.
+What differs between models (the projections, where the decay's parameters live, the norm)
+is the layer's form, stated by its family in ``fsdp_turbo.core.families`` and found in the
+model facts; this module reads every layer only through its form.
 """
 
 from __future__ import annotations
@@ -24,19 +21,24 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.families import LinearAttentionForm, LinearShape
+from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.distributed.context_parallel.all_to_all import heads_to_sequence, sequence_to_channels
 from fsdp_turbo.distributed.context_parallel.context import CPState
 
 # The short convolution's activation, by the name the model's config gives (transformers' ACT2FN names; a
 # feature package does not import transformers).
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu, "tanh": torch.tanh}
+
+# The recurrence each form's rule names, by the op registry's (fla's) name.
+RULE_OPS = {"gated_delta_rule": "chunk_gated_delta_rule", "kda": "chunk_kda"}
 
 
 def _activation(name: str):
@@ -47,104 +49,6 @@ def _activation(name: str):
     return _ACTIVATIONS[name]
 
 
-class Projections(NamedTuple):
-    """One chunk's per-token projections: q, k ``[B, s, key_heads, dk]``; v, z ``[B, s,
-    value_heads, dv]``; b, a ``[B, s, value_heads]`` (before sigmoid / softplus)."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    z: torch.Tensor
-    b: torch.Tensor
-    a: torch.Tensor
-
-
-class LinearAttentionForm(Protocol):
-    form: str  # a description, named in plans and errors
-
-    @classmethod
-    def detect(cls, module: nn.Module) -> bool: ...
-
-    @classmethod
-    def project(cls, module: nn.Module, hidden_states: torch.Tensor) -> Projections: ...
-
-
-_FORMS: list[type[LinearAttentionForm]] = []
-
-
-def add_linear_attention_form(cls: type[LinearAttentionForm]) -> None:
-    """Put ``cls`` first among the forms tried (moving it there if it was registered)."""
-    remove_linear_attention_form(cls)
-    _FORMS.insert(0, cls)
-
-
-def remove_linear_attention_form(cls: type[LinearAttentionForm]) -> None:
-    """Forget ``cls`` (a no-op if it is not registered)."""
-    if cls in _FORMS:
-        _FORMS.remove(cls)
-
-
-def registered_linear_attention_forms() -> Sequence[type[LinearAttentionForm]]:
-    """The registered forms, in the order they are tried."""
-    return tuple(_FORMS)
-
-
-def recognise_linear_attention(module: nn.Module) -> type[LinearAttentionForm] | None:
-    """The first form that recognises ``module``, else ``None``."""
-    return next((form for form in _FORMS if form.detect(module)), None)
-
-
-def _class_names(module: nn.Module) -> set[str]:
-    # By name, so transformers is not imported here; subclasses of a known class count.
-    return {klass.__name__ for klass in type(module).__mro__}
-
-
-class _GatedDeltaNet:
-    """What every Gated DeltaNet shares: the attributes read by the Ulysses forward."""
-
-    form = "Gated DeltaNet"
-    class_names: tuple[str, ...] = ()
-
-    @classmethod
-    def detect(cls, module: nn.Module) -> bool:
-        return bool(_class_names(module) & set(cls.class_names))
-
-
-class Qwen3NextGatedDeltaNetForm(_GatedDeltaNet):
-    """transformers' ``Qwen3NextGatedDeltaNet``: q, k, v, z fused per key-head group in
-    ``in_proj_qkvz``, b and a in ``in_proj_ba`` (the model's own ``fix_query_key_value_ordering``)."""
-
-    form = "Gated DeltaNet (Qwen3-Next)"
-    class_names = ("Qwen3NextGatedDeltaNet",)
-
-    @classmethod
-    def project(cls, module: nn.Module, hidden_states: torch.Tensor) -> Projections:
-        q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden_states),
-                                                               module.in_proj_ba(hidden_states))
-        return Projections(q, k, v, z, b, a)
-
-
-class Qwen35GatedDeltaNetForm(_GatedDeltaNet):
-    """transformers' ``Qwen3_5GatedDeltaNet`` / ``Qwen3_5MoeGatedDeltaNet``: ``in_proj_qkv``
-    ([q | k | v] channels), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``."""
-
-    form = "Gated DeltaNet (Qwen3.5)"
-    class_names = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
-
-    @classmethod
-    def project(cls, module: nn.Module, hidden_states: torch.Tensor) -> Projections:
-        batch, seq = hidden_states.shape[:2]
-        q, k, v = module.in_proj_qkv(hidden_states).split([module.key_dim, module.key_dim, module.value_dim], -1)
-        return Projections(q.unflatten(-1, (-1, module.head_k_dim)), k.unflatten(-1, (-1, module.head_k_dim)),
-                           v.unflatten(-1, (-1, module.head_v_dim)),
-                           module.in_proj_z(hidden_states).reshape(batch, seq, -1, module.head_v_dim),
-                           module.in_proj_b(hidden_states), module.in_proj_a(hidden_states))
-
-
-add_linear_attention_form(Qwen3NextGatedDeltaNetForm)
-add_linear_attention_form(Qwen35GatedDeltaNetForm)
-
-
 # ----- planning -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LinearAttentionLayer:
@@ -152,21 +56,17 @@ class LinearAttentionLayer:
     form: type[LinearAttentionForm]
 
 
-def find_linear_attention(model: nn.Module) -> tuple[LinearAttentionLayer, ...]:
-    """The model's linear-attention layers, each with its form. A recurrent sequence mixer no
-    form recognises (an ``A_log`` parameter, as Mamba and DeltaNet layers have) is refused:
-    cut to a chunk, it would silently see only that chunk."""
+def find_linear_attention(facts: ModelFacts) -> tuple[LinearAttentionLayer, ...]:
+    """The model facts' linear-attention layers, each with its form. A recurrent mixer no
+    form reads is refused: cut to a chunk, it would silently see only that chunk."""
     found = []
-    for name, module in model.named_modules():
-        form = recognise_linear_attention(module)
-        if form is not None:
-            found.append(LinearAttentionLayer(name, form))
-        elif isinstance(getattr(module, "A_log", None), nn.Parameter):
-            known = sorted({c for f in _FORMS for c in getattr(f, "class_names", ())})
-            raise ConfigError("context_parallel_size", ">1", "use context_parallel_size=1 for this model, or register "
-                              "a linear-attention form for its layer (add_linear_attention_form)",
-                              reason=f"{name} ({type(module).__name__}) looks like a recurrent sequence mixer, and "
-                                     f"context parallel knows only {known}")
+    for layer in facts.layers_of("linear"):
+        if layer.form is None:
+            raise ConfigError("context_parallel_size", ">1", "use context_parallel_size=1 for this model, or state "
+                              "its linear-attention form in a family (fsdp_turbo.core.families.register_family)",
+                              reason=f"{layer.name} is a recurrent token mixer ({layer.declared}) that no registered "
+                                     "linear-attention form reads")
+        found.append(LinearAttentionLayer(layer.name, layer.form))
     return tuple(found)
 
 
@@ -181,12 +81,12 @@ def check_linear_heads(model: nn.Module, layers: Sequence[LinearAttentionLayer],
     """Ulysses splits each linear-attention layer's value heads over cp (and its key heads,
     repeated to the value heads where cp does not divide them)."""
     for layer in layers:
-        module = model.get_submodule(layer.name)
-        if module.num_v_heads % cp:
-            raise ConfigError("context_parallel_size", cp, f"use a context_parallel_size that divides "
-                              f"linear_num_value_heads={module.num_v_heads}",
+        shape = layer.form.shape(model.get_submodule(layer.name))
+        if shape.value_heads % cp:
+            raise ConfigError("context_parallel_size", cp, f"use a context_parallel_size that divides the "
+                              f"{shape.value_heads} linear-attention value heads",
                               reason=f"Ulysses splits the linear-attention heads of {layer.name} over the CP ranks "
-                                     f"({module.num_k_heads} key heads, {module.num_v_heads} value heads)")
+                                     f"({shape.key_heads} key heads, {shape.value_heads} value heads)")
 
 
 def refuse_ring(layers: Sequence[LinearAttentionLayer], mode: str) -> None:
@@ -209,14 +109,15 @@ def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[2] == heads else x.repeat_interleave(heads // x.shape[2], dim=2)
 
 
-def _my_channels(module: nn.Module, channels: torch.Tensor, key_heads: int, cp: int, rank: int) -> torch.Tensor:
-    """This rank's rows of ``channels [key_dim | key_dim | value_dim, ...]`` (the depthwise
-    conv's weight or bias): its q, k heads (repeated to ``key_heads``) and its v heads."""
-    q, k, v = channels.split([module.key_dim, module.key_dim, module.value_dim])
+def _my_channels(shape: LinearShape, channels: torch.Tensor, key_heads: int, cp: int, rank: int) -> torch.Tensor:
+    """This rank's rows of ``channels [q | k | v, ...]`` (the depthwise conv's weight or bias):
+    its q, k heads (repeated to ``key_heads``) and its v heads."""
+    key_dim, value_dim = shape.key_heads * shape.head_k_dim, shape.value_heads * shape.head_v_dim
+    q, k, v = channels.split([key_dim, key_dim, value_dim])
     keys = _head_slice(key_heads, cp, rank)
-    q, k = (w.unflatten(0, (module.num_k_heads, -1)).repeat_interleave(key_heads // module.num_k_heads, 0)[keys]
+    q, k = (w.unflatten(0, (shape.key_heads, -1)).repeat_interleave(key_heads // shape.key_heads, 0)[keys]
             for w in (q, k))
-    v = v.unflatten(0, (module.num_v_heads, -1))[_head_slice(module.num_v_heads, cp, rank)]
+    v = v.unflatten(0, (shape.value_heads, -1))[_head_slice(shape.value_heads, cp, rank)]
     return torch.cat([q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)])
 
 
@@ -246,12 +147,12 @@ def document_bounds(documents: torch.Tensor) -> torch.Tensor:
     return torch.cat([bounds, bounds.new_tensor([batch * seq])])
 
 
-def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def _delta_rule(rule: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 documents: torch.Tensor | None) -> torch.Tensor:
     import fsdp_turbo.ops.fla  # noqa: F401 - registers the ops
     from fsdp_turbo.ops.registry import get_op
 
-    op = get_op("chunk_gated_delta_rule", q.device.type)
+    op = get_op(RULE_OPS[rule], q.device.type)
     if documents is None:
         return op(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
     batch = q.shape[0]
@@ -285,30 +186,31 @@ def ulysses_linear_attention(module: nn.Module, form: type[LinearAttentionForm],
         mine = context.padding_mask[:, rank * seq:(rank + 1) * seq].to(hidden_states.device)
         hidden_states = hidden_states * mine.unsqueeze(-1).to(hidden_states.dtype)
     p = form.project(module, hidden_states)
-    key_heads = key_heads_after_split(module.num_k_heads, module.num_v_heads, cp)
+    shape = form.shape(module)
+    key_heads = key_heads_after_split(shape.key_heads, shape.value_heads, cp)
     q, k = _repeat_heads(p.q, key_heads), _repeat_heads(p.k, key_heads)
-    # One all-to-all: per destination rank, its q, k, v heads' channels and its heads' b, a.
-    parts = [t.unflatten(2, (cp, -1)).flatten(3) for t in (q, k, p.v)]
-    parts += [t.unflatten(2, (cp, -1)) for t in (p.b, p.a)]
+    # One all-to-all: per destination rank, its q, k, v heads' channels and its heads' b, a
+    # (a: one value per head, or one per key channel of each head).
+    parts = [t.unflatten(2, (cp, -1)).flatten(3) for t in (q, k, p.v, p.b, p.a)]
     whole = sequence_to_channels(torch.cat(parts, dim=-1), group, cp)  # [B, S, channels of my heads]
-    conv_channels = (2 * key_heads * module.head_k_dim + module.num_v_heads * module.head_v_dim) // cp
-    mixed, b, a = whole.split([conv_channels, module.num_v_heads // cp, module.num_v_heads // cp], dim=-1)
+    my_values = shape.value_heads // cp
+    conv_channels = (2 * key_heads * shape.head_k_dim + shape.value_heads * shape.head_v_dim) // cp
+    mixed, b, a = whole.split([conv_channels, my_values, parts[-1].shape[-1]], dim=-1)
+    if p.a.dim() == 4:
+        a = a.unflatten(-1, (my_values, -1))
     documents = None if context.documents is None else context.documents.to(whole.device)
-    bias = module.conv1d.bias
-    mixed = causal_conv(mixed, _my_channels(module, module.conv1d.weight.squeeze(1), key_heads, cp, rank),
-                        None if bias is None else _my_channels(module, bias, key_heads, cp, rank), documents)
-    mixed = _activation(module.activation)(mixed)
-    key_channels = key_heads * module.head_k_dim // cp
+    weight, bias, activation = form.conv(module)
+    mixed = causal_conv(mixed, _my_channels(shape, weight, key_heads, cp, rank),
+                        None if bias is None else _my_channels(shape, bias, key_heads, cp, rank), documents)
+    mixed = _activation(activation)(mixed)
+    key_channels = key_heads * shape.head_k_dim // cp
     q, k, v = mixed.split([key_channels, key_channels, conv_channels - 2 * key_channels], dim=-1)
-    q, k = q.unflatten(-1, (-1, module.head_k_dim)), k.unflatten(-1, (-1, module.head_k_dim))
-    v = v.unflatten(-1, (-1, module.head_v_dim))
-    heads = _head_slice(module.num_v_heads, cp, rank)
-    g = -module.A_log[heads].float().exp() * F.softplus(a.float() + module.dt_bias[heads])
-    out = _delta_rule(q, k, v, g, b.sigmoid(), documents)  # [B, S, value heads / cp, dv]
+    q, k = q.unflatten(-1, (-1, shape.head_k_dim)), k.unflatten(-1, (-1, shape.head_k_dim))
+    v = v.unflatten(-1, (-1, shape.head_v_dim))
+    g = form.decay(module, a, _head_slice(shape.value_heads, cp, rank))
+    out = _delta_rule(form.rule, q, k, v, g, b.sigmoid(), documents)  # [B, S, value heads / cp, dv]
     out = heads_to_sequence(out, group, cp)  # [B, S/cp, value heads, dv]
-    z = p.z
-    out = module.norm(out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1]))
-    return module.out_proj(out.reshape(*z.shape[:2], -1))
+    return form.output(module, out, p.z)
 
 
 def install_linear_attention(model: nn.Module, layers: Sequence[LinearAttentionLayer], state: CPState) -> None:

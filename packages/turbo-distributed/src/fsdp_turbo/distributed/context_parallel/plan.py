@@ -47,6 +47,19 @@ class CPTarget:
 
 
 @dataclass(frozen=True)
+class LayerSpec:
+    """What the context-parallel attention must know of one attention module, from the model
+    facts: its window or chunk (masked from global positions) and the per-head tensors its
+    core attention reads from it (cut to each Ulysses rank's heads)."""
+
+    name: str
+    index: int | None = None  # its layer (block) index
+    window: int | None = None
+    chunk: int | None = None
+    head_parameters: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class CPPlan(FeaturePlan):
     """Ulysses (or a ring) over ``size`` ranks around ``target``."""
 
@@ -58,9 +71,16 @@ class CPPlan(FeaturePlan):
     ulysses_size: int = 0  # hybrid: the Ulysses ranks inside each ring member
     inputs: InputNames = field(default_factory=InputNames)  # the forward arguments split, and given positions
     linear_layers: tuple[LinearAttentionLayer, ...] = ()  # run by Ulysses' linear-attention forward
-    # HF models: the layers model.config.layer_types declares sliding-window; each must pass
-    # its window to the wrapper (checked on the first forward), which masks by it
-    sliding_layers: tuple[int, ...] = ()
+    # the softmax attention modules (by the model facts), each with its window, chunk and per-head tensors
+    layers: tuple[LayerSpec, ...] = ()
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        return tuple(spec.index for spec in self.layers if spec.window is not None)
+
+    @property
+    def chunked_layers(self) -> tuple[int, ...]:
+        return tuple(spec.index for spec in self.layers if spec.chunk is not None)
 
     def describe(self) -> tuple[PlanRow, ...]:
         chunks = "zig-zag chunks" if self.load_balance else "contiguous chunks"
@@ -72,10 +92,13 @@ class CPPlan(FeaturePlan):
         else:
             how = self.target.describe()
         rows = [PlanRow("cp_plan (attention)", (how,))]
+        skipped = ", unseen tiles skipped" if self.mode != "ulysses" else ""
         if self.sliding_layers:
             rows.append(PlanRow("cp_plan (sliding window)", (f"layers {list(self.sliding_layers)}: masked by their "
-                                                             "window" + (", unseen tiles skipped"
-                                                                         if self.mode != "ulysses" else ""),)))
+                                                             "window" + skipped,)))
+        if self.chunked_layers:
+            rows.append(PlanRow("cp_plan (chunked)", (f"layers {list(self.chunked_layers)}: masked by their "
+                                                      "chunks" + skipped,)))
         if self.linear_layers:
             first = self.linear_layers[0]
             more = f" (and {len(self.linear_layers) - 1} more)" if len(self.linear_layers) > 1 else ""
@@ -89,10 +112,12 @@ class CPPlan(FeaturePlan):
         memory.tokens //= self.size  # each rank holds 1/cp of the sequence outside attention
 
 
-def hf_sliding_layers(config: Any) -> tuple[int, ...]:
-    """The indices of the layers the HF config declares sliding-window (``layer_types``)."""
-    layer_types = getattr(config, "layer_types", None) or ()
-    return tuple(index for index, kind in enumerate(layer_types) if "sliding" in str(kind))
+def layer_specs(facts: ModelFacts) -> tuple[LayerSpec, ...]:
+    """The model facts' softmax attentions (full, sliding and chunked), each with its mask's
+    window or chunk and its per-head parameters."""
+    return tuple(LayerSpec(layer.name, layer.index, layer.window, layer.chunk,
+                           tuple(p.parameter for p in facts.head_parameters_of(layer.name)))
+                 for layer in facts.attention_layers if layer.kind in ("softmax", "sliding", "chunked"))
 
 
 def _check_ring_can_compute(config: Any, mode: str) -> None:
@@ -107,6 +132,24 @@ def _check_ring_can_compute(config: Any, mode: str) -> None:
     if softcap is not None:
         raise ConfigError("cp_plan.mode", mode, "use mode 'ulysses' for this model",
                           reason=f"ring attention does not soft-cap its logits (attn_logit_softcapping={softcap})")
+
+
+# What each attention kind the model facts name needs of context parallel, where it cannot run.
+_KIND_LIMITS = {
+    "unknown": ("context_parallel_size", "use context_parallel_size=1, or state the layer's kind in a family "
+                "(fsdp_turbo.core.families.register_family)", "context parallel does not know how to split it"),
+}
+
+
+def refuse_unknown_kinds(facts: ModelFacts, mode: str) -> None:
+    """A layer whose kind context parallel cannot compute is refused by name before anything
+    is sent: cut to a chunk, it would silently see only that chunk."""
+    for layer in facts.attention_layers:
+        limit = _KIND_LIMITS.get(layer.kind)
+        if limit is not None:
+            field, fix, why = limit
+            raise ConfigError(field, mode if field == "cp_plan.mode" else ">1", fix,
+                              reason=f"{layer.name} is a {layer.declared or layer.kind} layer: {why}")
 
 
 def check_head_split(facts: ModelFacts, cp: int, tp: int, plan: CPPlanConfig) -> None:

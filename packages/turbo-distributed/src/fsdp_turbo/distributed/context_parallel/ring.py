@@ -305,7 +305,7 @@ def ring_core(state) -> Any:
         if kwargs.get("softcap") is not None:
             raise ConfigError("cp_plan.mode", state.mode, "use mode 'ulysses' for this model",
                               reason="ring attention does not soft-cap its logits (softcap)")
-        window, sinks = kwargs.get("sliding_window"), kwargs.get("s_aux")
+        window, sinks = kwargs.get("sliding_window") or state.spec(module).window, kwargs.get("s_aux")
         if window not in context.ring_tiles:  # the first layer of each window kind builds them
             context.ring_tiles[window] = (ring_tiles(context, state.ring_rank, query.device, window),
                                           ring_steps(context.ring_positions, window))
@@ -327,7 +327,6 @@ def ring_hf_attention(state) -> Any:
     def attention(module, query, key, value, attention_mask, **kwargs):
         if state.current is not None:
             state.current.attention_calls += 1
-            state.current.sliding_calls += kwargs.get("sliding_window") is not None
         return core(module, query, key, value, attention_mask, **kwargs)
 
     return attention

@@ -30,7 +30,8 @@ from fsdp_turbo.distributed.context_parallel.plan import (
     CPPlan,
     CPTarget,
     check_head_split,
-    hf_sliding_layers,
+    layer_specs,
+    refuse_unknown_kinds,
     resolve_cp_target,
 )
 from fsdp_turbo.distributed.context_parallel.ring import ring_core, ring_hf_attention, ring_sdpa
@@ -103,8 +104,9 @@ def apply_cp_plan(model: nn.Module, plan: CPPlan, cp_mesh, cp_groups: list[list[
         extra = {"ulysses_group": ulysses_group, "ulysses_size": plan.ulysses_size, "ring_group": ring_group,
                  "ring_size": plan.size // plan.ulysses_size, "ring_rank": rank // plan.ulysses_size}
     state = CPState(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(),
-                    attention_layers=plan.attention_layers, sliding_layers=len(plan.sliding_layers), mode=plan.mode,
-                    load_balance=plan.load_balance, linear_layers=len(plan.linear_layers), **extra)
+                    attention_layers=plan.attention_layers, mode=plan.mode, load_balance=plan.load_balance,
+                    linear_layers=len(plan.linear_layers),
+                    layers={model.get_submodule(spec.name): spec for spec in plan.layers}, **extra)
     if target.hf_implementation:
         where = _install_hf(model, state, target.hf_implementation)
     elif target.module_names:
@@ -127,7 +129,8 @@ def plan_context_parallel(model: nn.Module, plan: CPPlanConfig | None, size: int
     """What CP over ``size`` ranks (beside ``tp`` tensor-parallel ones) would wrap; raises
     ``ConfigError``, never communicates."""
     plan = plan or CPPlanConfig()
-    linear = find_linear_attention(model)
+    refuse_unknown_kinds(facts, plan.mode)
+    linear = find_linear_attention(facts)
     refuse_ring(linear, plan.mode)  # first: no other fix helps a ring here
     _check_linear_attention(model, linear, size, tp)
     if plan.mode == "hybrid" and (size % plan.ulysses_size or plan.ulysses_size >= size):
@@ -136,11 +139,12 @@ def plan_context_parallel(model: nn.Module, plan: CPPlanConfig | None, size: int
                           reason="hybrid runs Ulysses over ulysses_size ranks inside a ring of the rest")
     check_head_split(facts, size, tp, plan)
     target = resolve_cp_target(model, plan, facts)
-    sliding = hf_sliding_layers(getattr(model, "config", None)) if target.hf_implementation else ()
-    return CPPlan(size, target, _attention_layers(target, facts, linear), mode=plan.mode,
+    # the wrapper knows an HF attention's module by the call (its first argument)
+    layers = layer_specs(facts) if target.hf_implementation else ()
+    return CPPlan(size, target, len(layers) or _attention_layers(target, facts, linear), mode=plan.mode,
                   load_balance=plan.load_balance, ulysses_size=plan.ulysses_size or 0,
                   inputs=InputNames(facts.token_input, facts.position_input, facts.ignore_index), linear_layers=linear,
-                  sliding_layers=sliding)
+                  layers=layers)
 
 
 def _check_linear_attention(model: nn.Module, linear: tuple[LinearAttentionLayer, ...], size: int, tp: int) -> None:

@@ -6,9 +6,11 @@ own core attention (eager, sdpa, flash, ...) runs on the whole sequence for its 
 second all-to-all takes the output back to sequence-sharded. K/V heads are replicated when
 there are fewer of them than CP ranks (GQA), so each rank holds the K/V its queries need.
 
-Sliding-window layers (the ``sliding_window`` argument HF passes) get the window in the
-full-sequence mask; per-head parameters of the core attention (gpt-oss's sinks) are cut to
-this rank's heads (:func:`heads_view`), so their gradient on each rank is its heads' share.
+Each attention module's window (sliding) or chunk comes from the model facts (the plan's
+``LayerSpec``, looked up by the module HF passes first; else the ``sliding_window`` argument)
+and goes into the full-sequence mask; the per-head parameters of the core attention the facts
+name (gpt-oss's sinks) are cut to this rank's heads (:func:`heads_view`), so their gradient on
+each rank is its heads' share.
 """
 
 from __future__ import annotations
@@ -51,20 +53,20 @@ class _HeadsView:
         return getattr(self._module, name)
 
 
-# Per-head tensors a core attention reads from its module (HF's eager of gpt-oss reads
-# ``module.sinks``) or takes as an argument (its flash path: ``s_aux``).
-HEAD_ATTRIBUTES = ("sinks",)
+# Per-head tensors HF's attention functions take as arguments (gpt-oss's flash path: ``s_aux``,
+# its sinks); the ones they read from the module (its eager path: ``module.sinks``) are the
+# model facts' per-head parameters (``LayerSpec.head_parameters``).
 HEAD_ARGUMENTS = ("s_aux",)
 
 
-def heads_view(module: nn.Module, groups: int, heads: slice, kwargs: dict[str, Any]
-               ) -> tuple[nn.Module | _HeadsView, dict[str, Any]]:
+def heads_view(module: nn.Module, groups: int, heads: slice, kwargs: dict[str, Any],
+               head_parameters: tuple[str, ...] = ()) -> tuple[nn.Module | _HeadsView, dict[str, Any]]:
     """``module`` and ``kwargs`` as the core attention over query heads ``heads`` must see
     them (unchanged when nothing differs)."""
     overrides: dict[str, Any] = {}
     if getattr(module, "num_key_value_groups", groups) != groups:
         overrides["num_key_value_groups"] = groups
-    for name in HEAD_ATTRIBUTES:
+    for name in head_parameters:
         value = getattr(module, name, None)
         if isinstance(value, torch.Tensor):
             overrides[name] = value[heads]
@@ -106,8 +108,8 @@ def ulysses_hf_attention(state: CPState, inner: str, core: Callable[..., Any] | 
             raise RuntimeError("context-parallel attention ran outside a context-parallel forward")
         context = state.current
         context.attention_calls += 1
-        window = kwargs.get("sliding_window")
-        context.sliding_calls += window is not None
+        spec = state.spec(module)
+        window = kwargs.get("sliding_window") or spec.window
         cp, group = state.ulysses_size, state.ulysses_group
         kv_heads = replicated_kv_heads(key.shape[1], cp)
         qkv = torch.cat([query, replicate_kv(key, kv_heads), replicate_kv(value, kv_heads)], dim=1)
@@ -119,7 +121,7 @@ def ulysses_hf_attention(state: CPState, inner: str, core: Callable[..., Any] | 
         q, k, v = gathered.split(parts, dim=1)
         # this rank now holds query heads [rank * heads/cp, (rank + 1) * heads/cp) of the whole sequence
         mine = slice(state.ulysses_rank * parts[0], (state.ulysses_rank + 1) * parts[0])
-        view, kwargs = heads_view(module, heads // kv_heads, mine, kwargs)
+        view, kwargs = heads_view(module, heads // kv_heads, mine, kwargs, spec.head_parameters)
         if core is not None:
             out, _ = core(view, q, k, v, None, **kwargs)
             return heads_to_sequence(out, group, cp), None

@@ -2,10 +2,6 @@
 
 from fsdp_turbo.distributed.tensor_parallel.loss import scoped_loss_parallel, vocab_parallel_cross_entropy
 from fsdp_turbo.distributed.tensor_parallel.plan import (
-    HEAD_PARAMETERS,
-    LATENT_MODULES,
-    HeadParameter,
-    LatentModule,
     StyleChoice,
     StyleKind,
     TPPlan,
@@ -15,10 +11,6 @@ from fsdp_turbo.distributed.tensor_parallel.plan import (
 from fsdp_turbo.distributed.tensor_parallel.transform import TensorParallelTransform, apply_tp_plan
 
 __all__ = [
-    "HEAD_PARAMETERS",
-    "LATENT_MODULES",
-    "HeadParameter",
-    "LatentModule",
     "StyleChoice",
     "StyleKind",
     "TPPlan",

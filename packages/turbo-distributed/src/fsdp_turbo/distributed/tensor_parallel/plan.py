@@ -15,6 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.families.resolve import LatentFact
 from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.model_inspect import is_tuner_layer, tied_parameter_groups
 from fsdp_turbo.core.patterns import check_disjoint, match_modules
@@ -60,51 +61,6 @@ class StyleKind(StrEnum):
 
 
 SHARDED_KINDS = frozenset({StyleKind.COLWISE, StyleKind.ROWWISE})
-
-
-@dataclass(frozen=True)
-class HeadParameter:
-    """A parameter an attention module holds itself (not in a sub-Linear), one entry per query
-    head along ``dim``. Its forward reads it beside the head-sharded projections, so TP splits it
-    with the heads: each rank's forward sees its own heads' entries."""
-
-    module_class: str  # the class name (this package never imports transformers)
-    parameter: str
-    dim: int = 0
-    what: str = ""
-
-
-# The per-head parameters TP knows how to split. A module whose projections TP splits and that
-# holds any other parameter itself is refused at plan time (see _head_parameters).
-HEAD_PARAMETERS: tuple[HeadParameter, ...] = (
-    # gpt-oss attention sinks: one logit per query head, joined to that head's scores.
-    HeadParameter("GptOssAttention", "sinks", 0, "attention sinks"),
-)
-
-
-@dataclass(frozen=True)
-class LatentModule:
-    """A module of an attention that computes a latent every head reads, whole on every rank
-    (MLA's low-rank query and key/value projections and their norms), beside the split
-    per-head projections. Where the latent reaches the heads through a split projection
-    (``q_b_proj``, ``kv_b_proj``), that projection's input gradient is summed over TP, so the
-    latent's gradient is whole. ``shared_tail`` names the attention's attribute counting the
-    latent's last outputs that every head reads directly (MLA's rotary key, ``k_rot``): there
-    each rank's gradient is its own heads' share, so it is summed over the TP ranks."""
-
-    module_class: str  # the attention's class name
-    name: str  # the child module
-    shared_tail: str | None = None
-
-
-# The latent modules TP knows. Any other Linear left whole inside a split attention is refused
-# at plan time (see _refuse_unplanned_projections).
-LATENT_MODULES: tuple[LatentModule, ...] = (
-    LatentModule("DeepseekV3Attention", "q_a_proj"),
-    LatentModule("DeepseekV3Attention", "q_a_layernorm"),
-    LatentModule("DeepseekV3Attention", "kv_a_proj_with_mqa", shared_tail="qk_rope_head_dim"),
-    LatentModule("DeepseekV3Attention", "kv_a_layernorm"),
-)
 
 
 @dataclass(frozen=True)
@@ -275,10 +231,22 @@ class _Matches:
     sequence: dict[str, nn.Module]
 
 
-def _match(model: nn.Module, plan: TPPlanConfig, keep: Callable[[str, nn.Module], bool]) -> _Matches:
+def _match(model: nn.Module, plan: TPPlanConfig, keep: Callable[[str, nn.Module], bool],
+           linear: dict[str, str]) -> _Matches:
+    """The plan's picks among the modules ``keep`` admits; a pattern whose every match lies
+    inside a linear-attention layer (``linear``: name -> form, kept whole) is refused by name."""
     def pick(patterns, field_name, outermost=False):
-        return match_modules(model, patterns, field=field_name, outermost=outermost, module_filter=keep) \
-            if patterns else {}
+        if not patterns:
+            return {}
+        for pattern in patterns:
+            hits = match_modules(model, [pattern], field=field_name, module_filter=lambda n, m: keep(n, m)
+                                 or any(_inside(n, [layer]) for layer in linear))
+            if all(not keep(name, module) for name, module in hits.items()):
+                layer = next(layer for layer in linear if _inside(next(iter(hits)), [layer]))
+                raise ConfigError(field_name, pattern, f"leave {layer}'s sub-modules out of tp_plan (TP keeps it "
+                                  "whole)", reason=f"the pattern picks only modules inside {layer}, a "
+                                                   f"linear-attention layer ({linear[layer]}), which TP cannot split")
+        return match_modules(model, patterns, field=field_name, outermost=outermost, module_filter=keep)
 
     return _Matches(colwise=pick(plan.colwise_parallel, "tp_plan.colwise_parallel"),
                     rowwise=pick(plan.rowwise_parallel, "tp_plan.rowwise_parallel"),
@@ -311,12 +279,17 @@ def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int, facts: ModelF
     """Validate ``plan`` on ``model`` and choose a style for every module TP touches.
 
     Modules in ``exclude`` (expert-parallel containers) and everything inside them are
-    left to their own transform: patterns do not see them and no style is chosen."""
-    keep = _outside(frozenset(exclude))
-    matches = _match(model, plan, keep)
+    left to their own transform: patterns do not see them and no style is chosen. The
+    model facts' linear-attention layers are kept whole, and patterns do not see inside them
+    either (a recurrent mixer's projections share names with attention's, as Kimi's do)."""
+    outside_experts = _outside(frozenset(exclude))
+    linear = {layer.name: layer.form.form if layer.form else "no registered form"
+              for layer in facts.layers_of("linear") if outside_experts(layer.name, None)}
+    keep = _outside(frozenset(exclude) | set(linear))
+    matches = _match(model, plan, keep, linear)
     _validate(model, matches, tp, facts)
     loss_head = _loss_head(plan, matches.colwise, facts)
-    styles = _choose_styles(model, plan, matches, loss_head, keep, facts, tp)
+    styles = _choose_styles(model, plan, matches, loss_head, keep, facts, tp, tuple(linear))
     tied = _check_tied(model, styles)
     shard_dims = [dim for name, choice in styles.items() if choice.kind in SHARDED_KINDS
                   for dim in _shard_dims(name, model.get_submodule(name), choice.kind)]
@@ -326,7 +299,8 @@ def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int, facts: ModelF
 
 
 def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss_head: str | None,
-                   keep: Callable[[str, nn.Module], bool], facts: ModelFacts, tp: int) -> dict[str, StyleChoice]:
+                   keep: Callable[[str, nn.Module], bool], facts: ModelFacts, tp: int,
+                   linear: tuple[str, ...]) -> dict[str, StyleChoice]:
     colwise, rowwise, sequence = matches.colwise, matches.rowwise, matches.sequence
     sp = bool(sequence)
     blocks = {name: model.get_submodule(name) for name in facts.blocks}
@@ -337,7 +311,7 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
     head_local = [name for name, module in model.named_modules()
                   if name and keep(name, module) and name not in planned and _parent(name) in hook_parents
                   and _own_params(module) and not _children_own_params(module)]
-    latent = {name: known for name in head_local if (known := _latent_module(model, name)) is not None}
+    latent = {name: known for name in head_local if (known := facts.latent(name)) is not None}
     head_local = [name for name in head_local if name not in latent]
     _refuse_unplanned_projections(model, head_local)
     head_name = facts.head
@@ -361,7 +335,7 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
         styles[name] = StyleChoice(StyleKind.HEAD_LOCAL)
     for name, known in latent.items():
         styles[name] = _latent_choice(model, name, known)
-    whole = _whole_modules(model, styles, set(colwise) | set(rowwise), keep)
+    whole = [*linear, *_whole_modules(model, styles, set(colwise) | set(rowwise), keep)]
     if sp:
         styles.update(_sequence_region_styles(model, plan, blocks, styles, whole, head_name, colwise))
 
@@ -405,12 +379,6 @@ def _sequence_region_styles(model: nn.Module, plan: TPPlanConfig, blocks: dict, 
     return added
 
 
-def _known_head_parameter(module: nn.Module, parameter: str) -> HeadParameter | None:
-    classes = {cls.__name__ for cls in type(module).__mro__}
-    return next((known for known in HEAD_PARAMETERS
-                 if known.parameter == parameter and known.module_class in classes), None)
-
-
 def _head_counts(module: nn.Module, facts: ModelFacts) -> set[int]:
     counts = {facts.num_attention_heads, facts.num_key_value_heads}
     counts |= {getattr(module, attribute, None) for attribute in ("num_heads", "num_attention_heads",
@@ -418,19 +386,11 @@ def _head_counts(module: nn.Module, facts: ModelFacts) -> set[int]:
     return {count for count in counts if isinstance(count, int)}
 
 
-def _latent_module(model: nn.Module, name: str) -> LatentModule | None:
-    parent = model.get_submodule(_parent(name))
-    classes = {cls.__name__ for cls in type(parent).__mro__}
-    child = name.rsplit(".", 1)[-1]
-    return next((known for known in LATENT_MODULES if known.name == child and known.module_class in classes), None)
-
-
-def _latent_choice(model: nn.Module, name: str, known: LatentModule) -> StyleChoice:
+def _latent_choice(model: nn.Module, name: str, known: LatentFact) -> StyleChoice:
     """A latent Linear reads the prepared (replicated) input; a latent norm the Linear's local output."""
     if not isinstance(model.get_submodule(name), nn.Linear):
         return StyleChoice(StyleKind.REPLICATE)
-    tail = getattr(model.get_submodule(_parent(name)), known.shared_tail) if known.shared_tail else 0
-    return StyleChoice(StyleKind.REPLICATE_PREPARED, shared_tail=tail)
+    return StyleChoice(StyleKind.REPLICATE_PREPARED, shared_tail=known.shared_tail)
 
 
 def _refuse_unplanned_projections(model: nn.Module, head_local: list[str]) -> None:
@@ -439,7 +399,7 @@ def _refuse_unplanned_projections(model: nn.Module, head_local: list[str]) -> No
     (an output projection left whole), or it reads the attention's input and what it computes
     reaches every head by another path than a split projection (a ``k_proj`` left whole beside
     a split ``q_proj``), so its gradient would hold one rank's heads only. Refused by name
-    rather than trained wrong, unless it is a known latent (``LATENT_MODULES``: MLA's)."""
+    rather than trained wrong, unless the model facts name it a latent (MLA's)."""
     for name in head_local:
         module = model.get_submodule(name)
         if isinstance(module, nn.Linear):
@@ -453,27 +413,28 @@ def _refuse_unplanned_projections(model: nn.Module, head_local: list[str]) -> No
 
 def _head_parameters(name: str, module: nn.Module, tp: int, facts: ModelFacts) -> tuple[tuple[str, int], ...]:
     """The parameters ``module`` (whose colwise projections TP splits) holds itself, each with
-    the dim TP splits it on. A parameter the planner does not know would be read whole beside
-    this rank's heads (a shape error in the forward, or a gradient from one rank's heads only):
-    refused here, by name."""
+    the dim TP splits it on (the model facts' per-head parameters). A parameter the facts do
+    not name would be read whole beside this rank's heads (a shape error in the forward, or a
+    gradient from one rank's heads only): refused here, by name."""
+    known = {fact.parameter: fact for fact in facts.head_parameters_of(name)}
     split = []
     for parameter, value in module.named_parameters(recurse=False):
         full = f"{name}.{parameter}"
-        known = _known_head_parameter(module, parameter)
-        if known is None:
+        fact = known.get(parameter)
+        if fact is None:
             per_head = value.dim() >= 1 and value.shape[0] in _head_counts(module, facts)
             kind = (f"a per-head parameter (leading dim {value.shape[0]}: the head count)" if per_head
                     else "a parameter it holds itself")
             raise ConfigError("tp_plan.colwise_parallel", full,
-                              f"leave {name}'s projections out of tp_plan, or add how {parameter} splits with the "
-                              "heads to fsdp_turbo.distributed.tensor_parallel.plan.HEAD_PARAMETERS",
-                              reason=f"{full} {list(value.shape)} is {kind}, which tensor parallel does not know "
+                              f"leave {name}'s projections out of tp_plan, or declare {parameter} a per-head "
+                              f"parameter in model_facts.head_parameters (e.g. '{full}')",
+                              reason=f"{full} {list(value.shape)} is {kind}, which the model facts do not say "
                                      f"how to split beside the sharded projections of {type(module).__name__}")
-        size = value.shape[known.dim]
+        size = value.shape[fact.dim]
         if size % tp:
             raise ConfigError("tensor_parallel_size", tp, f"use a tensor_parallel_size that divides {size}",
-                              reason=f"{full} ({known.what}) has {size} heads on dim {known.dim}")
-        split.append((parameter, known.dim))
+                              reason=f"{full} ({fact.what}) has {size} heads on dim {fact.dim}")
+        split.append((parameter, fact.dim))
     return tuple(split)
 
 
