@@ -20,6 +20,7 @@ from fsdp_turbo.cli.job_config import ModelSection
 from fsdp_turbo.cli.metrics import METRICS, PLOT, MetricsLog, plot_loss, read_rows
 from fsdp_turbo.cli.model import build_model
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.model_facts import resolve_model_facts
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm, to_expert_lists
 
 pytest.importorskip("transformers")
@@ -49,7 +50,11 @@ def test_dense_flops_per_token_match_flop_counter(name):
     with counter:
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     counted = counter.get_total_flops() / (batch * seq_len)
-    assert flops_per_token(model, seq_len) == pytest.approx(counted, rel=0.05)
+    assert _flops(model, seq_len) == pytest.approx(counted, rel=0.05)
+
+
+def _flops(model, seq_len: int) -> float:
+    return flops_per_token(model, resolve_model_facts(model), seq_len)
 
 
 def _active_weights(model) -> float:
@@ -83,7 +88,7 @@ def _demo_model():
 def test_demo_model_flops_count_active_experts():
     model, seq_len = _demo_model()
     expected = 6 * _active_weights(model) + _attention(model, seq_len)
-    got = flops_per_token(model, seq_len)
+    got = _flops(model, seq_len)
     assert got == pytest.approx(expected, rel=1e-9)
     assert got < 0.5 * OLD_DEMO_FLOPS_PER_TOKEN
 
@@ -93,13 +98,13 @@ def test_moe_flops_count_active_experts(kind):
     # qwen2_moe: a shared expert and its gate, whole; deepseek_v3: a dense first layer, shared experts, MLA.
     model = tiny_hf_causal_lm(kind, device="meta")
     expected = 6 * _active_weights(model) + _attention(model, 64)
-    assert flops_per_token(model, 64) == pytest.approx(expected, rel=1e-9)
+    assert _flops(model, 64) == pytest.approx(expected, rel=1e-9)
 
 
 def test_expert_lists_count_like_fused_experts():
     fused = tiny_hf_causal_lm("qwen3_moe", device="meta")
     listed = to_expert_lists(tiny_hf_causal_lm("qwen3_moe", device="meta"))
-    assert flops_per_token(listed, 64) == flops_per_token(fused, 64)
+    assert _flops(listed, 64) == _flops(fused, 64)
 
 
 # ----- eval loss with a micro-batch that carries no loss --------------------------------------

@@ -139,28 +139,56 @@ def test_plan_counts_lora_frozen_bytes_and_qlora_mx_packed_bytes():
     assert qlora.frozen < lora.frozen
 
 
-def _kinds(kind):
-    from fsdp_turbo.cli.attention_kinds import classify_attention
+def _facts(kind):
+    from fsdp_turbo.core.model_facts import resolve_model_facts
     from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 
-    return classify_attention(tiny_hf_causal_lm(kind, device="meta"))
+    return resolve_model_facts(tiny_hf_causal_lm(kind, device="meta"))
+
+
+def _kinds(kind):
+    facts = _facts(kind)
+    kinds = {}
+    for layer in facts.attention_layers:
+        kinds.setdefault(layer.kind.value, []).append(layer.name)
+    return kinds
 
 
 def test_attention_kinds_of_gpt_oss_qwen3_next_and_llama():
     # gpt-oss: layer_types alternate sliding/full, and every attention holds learned sinks
-    assert _kinds("gpt_oss") == {"softmax": ["model.layers.1.self_attn"], "sliding": ["model.layers.0.self_attn"],
-                                 "sinks": ["model.layers.0.self_attn", "model.layers.1.self_attn"]}
+    assert _kinds("gpt_oss") == {"softmax": ["model.layers.1.self_attn"], "sliding": ["model.layers.0.self_attn"]}
+    assert [(p.module, p.parameter) for p in _facts("gpt_oss").head_parameters] == [
+        ("model.layers.0.self_attn", "sinks"), ("model.layers.1.self_attn", "sinks")]
     # qwen3-next: a Gated DeltaNet (linear) layer, then a full softmax one
-    assert _kinds("qwen3_next") == {"softmax": ["model.layers.1.self_attn"], "linear": ["model.layers.0.linear_attn"]}
+    assert _kinds("qwen3_next") == {"linear": ["model.layers.0.linear_attn"], "softmax": ["model.layers.1.self_attn"]}
     assert _kinds("llama") == {"softmax": ["model.layers.0.self_attn", "model.layers.1.self_attn"]}
 
 
-def test_attention_lines_say_what_each_feature_does_with_each_kind():
+def test_attention_lines_print_what_the_plans_say_of_each_kind():
+    """The block lists each kind the facts name, then the plans' own rows about it (TP's and
+    CP's ``describe()``): gpt-oss at FSDP=2 x TP=2 (the sinks split with the heads), then at
+    CP=2 with the ring."""
     from fsdp_turbo.cli.attention_kinds import attention_lines
+    from fsdp_turbo.core.parallel_state import ParallelState
     from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+    from fsdp_turbo.fsdp_turbo import model_facts, plan_transforms
+    from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
-    lines = attention_lines(tiny_hf_causal_lm("gpt_oss", device="meta"))
-    assert lines[0] == "attention kinds:"
-    assert [line.split(":")[0].strip() for line in lines[1:]] == ["softmax", "sliding", "sinks"]
-    assert "cp: masked by the window (ulysses), unseen tiles skipped (ring, hybrid)" in lines[2]
-    assert lines[3].startswith("  sinks: model.layers.{0-1}.self_attn (2) -> cp: split with the heads (ulysses)")
+    def lines(**fields):
+        config = FSDPTurboConfig.from_dict(fields)
+        model = tiny_hf_causal_lm("gpt_oss", device="meta")
+        state = ParallelState(config.validate(4), rank=0, device_type="cpu", distributed=True)
+        facts = model_facts(config, model)
+        return attention_lines(facts, [plan for _, plan in plan_transforms(config, model, state, facts=facts)])
+
+    tp = lines(**TP)
+    assert tp[0] == "attention kinds:"
+    assert tp[1:] == ["  sliding: model.layers.{0}.self_attn (1, window 8)",
+                      "    tp_plan (split by head): model.layers.{0}.self_attn",
+                      "  softmax: model.layers.{1}.self_attn (1)",
+                      "    tp_plan (split by head): model.layers.{1}.self_attn",
+                      "  per-head parameters: model.layers.{0-1}.self_attn.sinks (2, attention sinks)",
+                      "    tp_plan (split with the heads): model.layers.{0-1}.self_attn.sinks"]
+    ring = lines(context_parallel_size=2, fully_shard_parallel_size=2, cp_plan={"mode": "ring"})
+    assert "    cp_plan (sliding window): layers [0]: masked by their window, unseen tiles skipped" in ring
+    assert "    cp_plan (per-head tensors): joined once per row" in ring

@@ -18,7 +18,8 @@ convention published MFU figures use; a causal flash kernel skips about half of 
 sliding-window one more. Recompute's extra forward is not counted: MFU counts the model's
 FLOPs, not the hardware's.
 
-The model is read as built on the meta device, before FSDPTurbo wraps it: shapes only.
+The model is read as built on the meta device, before FSDPTurbo wraps it: shapes only. Its
+sizes (layers, heads, head dims, top-k) are the model facts' (``ModelFacts.sizes``).
 """
 
 from __future__ import annotations
@@ -26,22 +27,19 @@ from __future__ import annotations
 from torch import nn
 
 from fsdp_turbo.core.logging import get_logger, warn_once
-from fsdp_turbo.core.model_inspect import fused_experts_form, has_router_forward, model_config_value
+from fsdp_turbo.core.model_facts import ModelFacts
+from fsdp_turbo.core.model_inspect import fused_experts_form, has_router_forward
 
 _log = get_logger("fsdp_turbo.cli.flops")
-
-# HF config names of the experts a token is routed to, and of the routed experts there are.
-TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "experts_per_token")
-NUM_EXPERTS_NAMES = ("num_experts", "num_local_experts", "n_routed_experts")
 
 # Forward 2 FLOPs per weight and token (multiply, add); backward 4 (input and weight gradients).
 GEMM_TRAINING_FLOPS = 6
 
 
-def flops_per_token(model: nn.Module, seq_len: int) -> float:
+def flops_per_token(model: nn.Module, facts: ModelFacts, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token of ``model`` on sequences of ``seq_len``."""
-    layers, heads, qk_dim, v_dim = attention_shape(model)
-    return (GEMM_TRAINING_FLOPS * active_matmul_weights(model)
+    layers, heads, qk_dim, v_dim = attention_shape(facts)
+    return (GEMM_TRAINING_FLOPS * active_matmul_weights(model, facts)
             + attention_flops_per_token(layers, heads, qk_dim, v_dim, seq_len))
 
 
@@ -52,30 +50,24 @@ def attention_flops_per_token(layers: int, heads: int, qk_dim: int, v_dim: int, 
     return 3 * forward * layers
 
 
-def attention_shape(model: nn.Module) -> tuple[int, int, int, int]:
-    """(layers, query heads, query/key head dim, value head dim) from the config; zeros where
-    the model does not say (then the attention term is 0, as for a model with no attention).
-    DeepSeek's MLA has ``qk_head_dim`` (nope + rope) and ``v_head_dim``; the rest ``head_dim``
-    or ``hidden_size / heads``."""
-    layers = model_config_value(model, "num_hidden_layers", "n_layer", "num_layers") or 0
-    heads = model_config_value(model, "num_attention_heads", "n_head", "num_heads") or 0
-    hidden = model_config_value(model, "hidden_size", "n_embd", "d_model") or 0
-    head_dim = model_config_value(model, "head_dim") or (hidden // heads if heads else 0)
-    qk_dim = model_config_value(model, "qk_head_dim") or head_dim
-    v_dim = model_config_value(model, "v_head_dim") or head_dim
-    return int(layers), int(heads), int(qk_dim), int(v_dim)
+def attention_shape(facts: ModelFacts) -> tuple[int, int, int, int]:
+    """(layers, query heads, query/key head dim, value head dim) of the model facts' sizes; zeros
+    where the model does not say (then the attention term is 0, as for a model with no
+    attention). DeepSeek's MLA has its own query/key (nope + rope) and value head dims."""
+    sizes = facts.sizes
+    return sizes.layers, sizes.heads or 0, sizes.head_dim, sizes.v_head_dim
 
 
-def active_matmul_weights(model: nn.Module) -> float:
+def active_matmul_weights(model: nn.Module, facts: ModelFacts) -> float:
     """The GEMM weights one token passes through (fractional: routed experts count by the share
     of them a token visits)."""
-    return _active_weights(model, model)
+    return _active_weights(model, facts)
 
 
-def _active_weights(module: nn.Module, model: nn.Module) -> float:
+def _active_weights(module: nn.Module, facts: ModelFacts) -> float:
     if has_router_forward(module):  # forward(hidden_states, top_k_index, top_k_weights): routed experts
-        return expert_weights(module) * routed_fraction(module, model)
-    return own_matmul_weights(module) + sum(_active_weights(child, model) for child in module.children())
+        return expert_weights(module) * routed_fraction(module, facts)
+    return own_matmul_weights(module) + sum(_active_weights(child, facts) for child in module.children())
 
 
 def own_matmul_weights(module: nn.Module) -> int:
@@ -95,7 +87,7 @@ def expert_weights(experts: nn.Module) -> int:
     return sum(own_matmul_weights(m) for m in experts.modules())
 
 
-def routed_fraction(experts: nn.Module, model: nn.Module) -> float:
+def routed_fraction(experts: nn.Module, facts: ModelFacts) -> float:
     """``top_k / num_experts``: the share of the routed experts one token goes through. Expert
     counts come from the container's shape where it has one (EP-free here: the model is whole)."""
     form = fused_experts_form(experts)
@@ -104,11 +96,11 @@ def routed_fraction(experts: nn.Module, model: nn.Module) -> float:
     elif isinstance(experts, nn.ModuleList | nn.ModuleDict):
         total = len(experts)
     else:
-        total = model_config_value(model, *NUM_EXPERTS_NAMES)
-    top_k = model_config_value(model, *TOP_K_NAMES)
+        total = facts.sizes.experts
+    top_k = facts.sizes.top_k
     if not top_k or not total:
         # Only the throughput figures depend on this: say so, and count every expert (an upper bound).
-        warn_once(_log, f"FLOPs per token count every expert as active: the model's config names no "
-                        f"{' / '.join(TOP_K_NAMES)} or {type(experts).__name__} no expert count")
+        warn_once(_log, f"FLOPs per token count every expert as active: the model facts have no top-k "
+                        f"(experts a token visits) or {type(experts).__name__} no expert count")
         return 1.0
     return min(int(top_k) / int(total), 1.0)

@@ -91,7 +91,7 @@ def make_plan(job: JobConfig, world_size: int | None = None, *,
     lines = [f"FSDPTurbo plan: {type(model).__name__}, "
              f"{sum(p.numel() for p in model.parameters()):,} parameters, world size {world}",
              *facts_lines(facts),
-             *attention_lines(model),
+             *attention_lines(facts, [plan for _, plan in planned]),
              f"mesh: {state.describe()}",
              f"transforms, in order: {', '.join(t.name for t, _ in planned) or 'none'}",
              "ranks:  rank  dp_replicate  fsdp  cp  tp  |  edp  efsdp  ep"]
@@ -107,7 +107,7 @@ def make_plan(job: JobConfig, world_size: int | None = None, *,
         lines.append("ignored, their features are off: " + ", ".join(ignored))
     lines.append("patterns:")
     for _, plan in planned:
-        for row in plan.describe():
+        for row in (row for row in plan.describe() if not row.kind):  # kind rows: in the attention block
             lines.append(f"  {row.label}: {', '.join(compress_names(list(row.names))) if row.names else '(none)'}")
     on_host = "" if model_memory.optimizer_on_device else " (on the host: swap_optimizer)"
     tokens = job.run.micro_batch * job.data.seq_len

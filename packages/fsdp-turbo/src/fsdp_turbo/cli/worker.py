@@ -42,6 +42,7 @@ from fsdp_turbo.cli.optim import build_optimizer, build_scheduler, clip_grad_nor
 from fsdp_turbo.cli.resolved_job import load_job
 from fsdp_turbo.cli.sizes import JobSizes, job_sizes
 from fsdp_turbo.core.agreement import every_rank_or_none
+from fsdp_turbo.core.blueprint import blueprint
 from fsdp_turbo.core.device import (
     current_device,
     detect_device_type,
@@ -150,10 +151,10 @@ def _model(job: JobConfig, device: torch.device) -> torch.nn.Module:
 
 
 def _data(job: JobConfig, model: torch.nn.Module, device: torch.device) -> JobData:
+    facts = model.fsdp_turbo_facts
     with every_rank_or_none("load the data", device):
-        return load_data(job.data, Path(job.output_dir), job.run.seed,
-                         vocab_size=getattr(model.config, "vocab_size", None),
-                         ignore_index=job.turbo.model_facts.ignore_index)
+        return load_data(job.data, Path(job.output_dir), job.run.seed, vocab_size=facts.sizes.vocab or None,
+                         ignore_index=facts.ignore_index)
 
 
 def _parallelize(job: JobConfig, model: torch.nn.Module) -> torch.nn.Module:
@@ -221,10 +222,10 @@ def _open_logs(session: Session) -> None:
 def _setup(job: JobConfig, resume: str, sizes: JobSizes, hooks: fault_injection.Hooks) -> Session:
     """Everything before step 1, each part agreed on by every rank."""
     device = current_device(detect_device_type(job.turbo.device_type))
-    model = _model(job, device)
+    model = _parallelize(job, _model(job, device))
     data = _data(job, model, device)
-    tokens_flops = flops_per_token(model, job.data.seq_len)  # of the model as built, before any transform
-    model = _parallelize(job, model)
+    # of the model as built (its blueprint: a meta copy from before any transform)
+    tokens_flops = flops_per_token(blueprint(model), model.fsdp_turbo_facts, job.data.seq_len)
     point = _resume_point(job, resume, device)
     _weights(job, model, point)
     optimizer, scheduler = _optimizer(job, model)

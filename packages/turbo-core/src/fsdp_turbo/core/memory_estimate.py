@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from torch import nn
 
 from fsdp_turbo.core.model_facts import ModelFacts
-from fsdp_turbo.core.model_inspect import model_config_value
 
 FP32 = 4
 
@@ -84,15 +83,13 @@ class MemoryModel:
     @classmethod
     def of(cls, model: nn.Module, tokens: int, facts: ModelFacts) -> MemoryModel:
         """The whole ``model`` on one rank, for micro-batches of ``tokens`` tokens."""
-        hidden = model_config_value(model, "hidden_size") or 0
-        top_k = model_config_value(model, "num_experts_per_tok")
-        moe_width = model_config_value(model, "moe_intermediate_size")
-        inter = top_k * moe_width if top_k and moe_width else model_config_value(model, "intermediate_size") or 0
-        layers = len(facts.blocks) or model_config_value(model, "num_hidden_layers") or 0
+        sizes = facts.sizes
+        moe = sizes.top_k and sizes.moe_intermediate
+        inter = sizes.top_k * sizes.moe_intermediate if moe else sizes.intermediate
         params = {name: ParamLayout(list(param.shape), trainable=param.requires_grad)
                   for name, param in model.named_parameters()}
-        return cls(params, tokens, hidden, inter, layers, model_config_value(model, "vocab_size") or 0,
-                   per_layer=16 * hidden + 3 * inter)
+        return cls(params, tokens, sizes.hidden, inter, sizes.layers, sizes.vocab,
+                   per_layer=16 * sizes.hidden + 3 * inter)
 
     def totals(self) -> MemoryEstimate:
         parameters = math.ceil(sum(layout.numel() * layout.bytes_per_element for layout in self.params.values()))

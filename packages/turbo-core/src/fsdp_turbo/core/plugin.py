@@ -71,10 +71,13 @@ class Stage:
 
 @dataclass(frozen=True)
 class PlanRow:
-    """One line of ``fsdp-turbo plan``: a label (a config field) and the module names it resolved to."""
+    """One line of ``fsdp-turbo plan``: a label (a config field) and the module names it resolved to.
+    A row about one kind of attention (an ``AttentionKind`` value, or ``"per-head parameters"``)
+    names it in ``kind``: the plan prints it in its attention-kinds block, under that kind."""
 
     label: str
     names: tuple[str, ...]
+    kind: str = ""
 
 
 class FeaturePlan:

@@ -95,14 +95,24 @@ class CPPlan(FeaturePlan):
         skipped = ", unseen tiles skipped" if self.mode != "ulysses" else ""
         if self.sliding_layers:
             rows.append(PlanRow("cp_plan (sliding window)", (f"layers {list(self.sliding_layers)}: masked by their "
-                                                             "window" + skipped,)))
+                                                             "window" + skipped,), kind="sliding"))
         if self.chunked_layers:
             rows.append(PlanRow("cp_plan (chunked)", (f"layers {list(self.chunked_layers)}: masked by their "
-                                                      "chunks" + skipped,)))
+                                                      "chunks" + skipped,), kind="chunked"))
+        full = [spec.index for spec in self.layers if spec.window is None and spec.chunk is None]
+        if full:
+            rows.append(PlanRow("cp_plan (causal)", (f"layers {full}: " + ("all-to-all to head shards"
+                                                                           if self.mode == "ulysses" else
+                                                                           "K/V around the ring"),), kind="softmax"))
+        if any(spec.head_parameters for spec in self.layers):
+            how = ("cut to each rank's heads" if self.mode == "ulysses" else
+                   "joined once per row" if self.mode == "ring" else "cut to the Ulysses heads, joined once per row")
+            rows.append(PlanRow("cp_plan (per-head tensors)", (how,), kind="per-head parameters"))
         if self.linear_layers:
             first = self.linear_layers[0]
             more = f" (and {len(self.linear_layers) - 1} more)" if len(self.linear_layers) > 1 else ""
-            rows.append(PlanRow("cp_plan (linear attention)", (f"Ulysses on {first.name}{more}: {first.form.form}",)))
+            rows.append(PlanRow("cp_plan (linear attention)", (f"Ulysses on {first.name}{more}: {first.form.form}",),
+                                kind="linear"))
         if self.inputs != InputNames():
             rows.append(PlanRow("cp_plan (inputs)", (f"splits '{self.inputs.tokens}', passes each rank's "
                                                      f"positions as '{self.inputs.positions}'",)))

@@ -120,6 +120,7 @@ class TPPlan(FeaturePlan):
     tied: tuple[TiedGroup, ...] = ()
     loss_head: str | None = None
     shard_dims: tuple[tuple[str, int], ...] = ()  # parameter name -> the dim TP splits
+    kind_rows: tuple[PlanRow, ...] = ()  # what TP does with each attention kind (fsdp-turbo plan)
 
     @property
     def kinds(self) -> dict[str, StyleKind]:
@@ -137,11 +138,7 @@ class TPPlan(FeaturePlan):
         for name, choice in self.styles:
             by_kind[choice.kind.value].append(name)
         rows = [PlanRow(f"tp_plan ({kind})", tuple(names)) for kind, names in sorted(by_kind.items())]
-        per_head = tuple(f"{name}.{parameter}" for name, choice in self.styles
-                         for parameter, _ in choice.head_parameters)
-        if per_head:
-            rows.append(PlanRow("tp_plan (split with the heads)", per_head))
-        return tuple(rows)
+        return (*rows, *self.kind_rows)
 
     def estimate(self, memory: MemoryModel) -> None:
         for parameter, dim in self.shard_dims:
@@ -295,7 +292,28 @@ def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int, facts: ModelF
                   for dim in _shard_dims(name, model.get_submodule(name), choice.kind)]
     shard_dims += [(f"{name}.{parameter}", dim) for name, choice in styles.items()
                    for parameter, dim in choice.head_parameters]
-    return TPPlan(tp, tuple(styles.items()), tuple(tied), loss_head, tuple(shard_dims))
+    return TPPlan(tp, tuple(styles.items()), tuple(tied), loss_head, tuple(shard_dims), _kind_rows(styles, facts))
+
+
+def _kind_rows(styles: dict[str, StyleChoice], facts: ModelFacts) -> tuple[PlanRow, ...]:
+    """What TP does with each attention kind of the model facts: the attentions it splits by
+    head, the ones it keeps whole, and the per-head parameters it splits with the heads."""
+    rows = []
+    for kind in dict.fromkeys(layer.kind for layer in facts.attention_layers):
+        names = [layer.name for layer in facts.layers_of(kind)]
+        split = tuple(n for n in names if styles.get(n, StyleChoice(StyleKind.REPLICATE)).kind
+                      is StyleKind.PREPARE_INPUT)
+        whole = tuple(n for n in names if styles.get(n, StyleChoice(StyleKind.REPLICATE)).kind
+                      in (StyleKind.WHOLE, StyleKind.WHOLE_GATHERED))
+        if split:
+            rows.append(PlanRow("tp_plan (split by head)", split, kind=kind))
+        if whole:
+            rows.append(PlanRow("tp_plan (kept whole, replicated)", whole, kind=kind))
+    per_head = tuple(f"{name}.{parameter}" for name, choice in styles.items()
+                     for parameter, _ in choice.head_parameters)
+    if per_head:
+        rows.append(PlanRow("tp_plan (split with the heads)", per_head, kind="per-head parameters"))
+    return tuple(rows)
 
 
 def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss_head: str | None,

@@ -41,16 +41,21 @@ def _converters(names: tuple[str, ...] | None) -> list[Converter]:
     return chosen
 
 
-def _default_exclusions(model: nn.Module, facts: ModelFacts) -> dict[str, str]:
-    """Modules left high precision unless asked for: the model facts' output head and MoE routers."""
+def _default_exclusions(facts: ModelFacts) -> dict[str, str]:
+    """Modules left high precision unless asked for: the model facts' output head, MoE routers
+    and sparse-attention indexers (each with everything inside it)."""
     excluded: dict[str, str] = {}
     if facts.head is not None:
         excluded[facts.head] = "it is the output head (its error lands directly on the loss)"
-    for name, _ in model.named_modules():
-        parent_name, _, leaf = name.rpartition(".")
-        if leaf in ("gate", "router") and hasattr(model.get_submodule(parent_name), "experts"):
-            excluded[name] = "it is an MoE router (routing decisions are precision-sensitive)"
+    for name in facts.routers:
+        excluded[name] = "it is an MoE router (routing decisions are precision-sensitive)"
+    for name in facts.indexers:
+        excluded[name] = "it is a sparse attention's indexer (its top-k picks are precision-sensitive)"
     return excluded
+
+
+def _exclusion(excluded: Mapping[str, str], name: str) -> str | None:
+    return next((why for holder, why in excluded.items() if _inside(name, holder)), None)
 
 
 def plan_conversion(model: nn.Module, plan, facts: ModelFacts, *, unsuitable: Mapping[str, str] | None = None
@@ -73,7 +78,7 @@ def plan_conversion(model: nn.Module, plan, facts: ModelFacts, *, unsuitable: Ma
                if plan.ignored_modules else [])
     picked = (list(match_modules(model, plan.apply_modules, field=f"{FIELD}.apply_modules"))
               if plan.apply_modules is not None else None)
-    excluded = {**_default_exclusions(model, facts), **(unsuitable or {})}
+    excluded = {**_default_exclusions(facts), **(unsuitable or {})}
     conversions, skipped = [], []
     store_frozen = bool(getattr(plan, "store_frozen_weights", False))
     frozen_asked = [c for c in FROZEN_CONVERTERS if plan.converters is not None and c in plan.converters]
@@ -91,7 +96,7 @@ def plan_conversion(model: nn.Module, plan, facts: ModelFacts, *, unsuitable: Ma
             converter = _frozen_choice(model, name, module, converter, excluded)
             if converter is None:  # a trainable adapter: it trains in high precision
                 continue
-        problem = excluded.get(name) or converter.unsupported(module, recipe)
+        problem = _exclusion(excluded, name) or converter.unsupported(module, recipe)
         if problem is not None:
             if picked is not None:
                 raise ConfigError(f"{FIELD}.apply_modules", name, f"add {name!r} to ignored_modules",
@@ -129,7 +134,7 @@ def _frozen_choice(model: nn.Module, name: str, module: nn.Module, converter: Co
                                  "experts do)")
     if not module.weight.requires_grad:
         return get_converter(FROZEN)
-    if _in_tuner_layer(model, name) or name in excluded:
+    if _in_tuner_layer(model, name) or _exclusion(excluded, name) is not None:
         return None
     raise ConfigError(field, True, f"freeze {name!r} (train adapters, e.g. PEFT LoRA, over it), add it to "
                       "ignored_modules, or drop store_frozen_weights",
