@@ -423,7 +423,9 @@ def _refuse_unplanned_projections(model: nn.Module, head_local: list[str]) -> No
         if isinstance(module, nn.Linear):
             attention = _parent(name)
             raise ConfigError("tp_plan.colwise_parallel", attention,
-                              f"leave {attention}'s projections out of tp_plan (split the MLP or the experts only)",
+                              f"leave {attention}'s projections out of tp_plan (split the MLP or the experts only), "
+                              f"or, if every head reads its output, declare it in model_facts.latent_modules "
+                              f"(e.g. '{name}')",
                               reason=f"{name} is a Linear of {type(model.get_submodule(attention)).__name__} "
                                      "that the TP plan leaves whole beside split projections: it is not per head "
                                      "(it reads or feeds every head), so its gradient would hold one rank's heads")
