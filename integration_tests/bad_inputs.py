@@ -214,6 +214,22 @@ CASES: dict[str, Case] = {
         {"quantization_plan": {"block_size": 1024}}), "converts nothing"),
     "ignored module contains a unit": Case("config", lambda _i: _facade(
         {"fsdp_plan": {"ignored_modules": ["model.layers.0"]}}), "fsdp_plan.ignored_modules"),
+    "module patch target not a member path": _config({"module_patches": [{"target": "LlamaAttention.forward",
+                                                                           "replacement": "math.sqrt"}]}),
+    "module patch target does not import": Case("config", lambda _i: _facade(
+        {"module_patches": [{"target": "no_such_pkg.module.Class.forward", "replacement": "math.sqrt"}]}),
+        "module_patches[0].target"),
+    "module patch class not in the model": Case("config", lambda _i: _facade(
+        {"module_patches": [{"target": "torch.nn.modules.conv.Conv2d.forward", "replacement": "math.sqrt"}]}),
+        "holds no Conv2d"),
+    "module patch pattern picks no instance": Case("config", lambda _i: _facade(
+        {"module_patches": [{"target": "torch.nn.modules.linear.Linear.forward", "replacement": "math.sqrt",
+                             "modules": ["*.input_layernorm"]}]}), "module_patches[0].modules"),
+    "module patch replacement not callable": Case("config", lambda _i: _facade(
+        {"module_patches": [{"target": "torch.nn.modules.linear.Linear.forward", "replacement": "math.pi"}]}),
+        "module_patches[0].replacement"),
+    "model facts head parameter missing": Case("config", lambda _i: _facade(
+        {"model_facts": {"head_parameters": ["model.layers.*.self_attn.sinks"]}}), "holds no parameter 'sinks'"),
     "unknown config field": _config({"fsdp_plans": {}}),
     "unknown dtype": _config({"fsdp_plan": {"param_dtype": "bfloat17"}}),
     "unknown device": _config({"device_type": "tpu"}),

@@ -28,6 +28,7 @@ SOURCES = (
      ("FSDPTurboConfig", "FSDPPlanConfig", "TPPlanConfig", "EPPlanConfig", "CPPlanConfig", "ChunkLossPlanConfig",
       "QuantizeConfig"), "library"),
     ("packages/turbo-core/src/fsdp_turbo/core/model_facts.py", ("ModelFactsConfig",), "library"),
+    ("packages/turbo-core/src/fsdp_turbo/core/module_patches.py", ("ModulePatch",), "library"),
     ("packages/fsdp-turbo/src/fsdp_turbo/cli/job_config.py", None, "job"),
 )
 HEADER = """# Configuration reference

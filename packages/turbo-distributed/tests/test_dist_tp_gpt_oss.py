@@ -15,8 +15,7 @@ from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.model_facts import resolve_model_facts
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
-from fsdp_turbo.distributed.context_parallel.context import CPState
-from fsdp_turbo.distributed.context_parallel.plan import LayerSpec
+from fsdp_turbo.distributed.context_parallel.context import CPState, LayerSpec
 from fsdp_turbo.distributed.context_parallel.transform import plan_context_parallel
 from fsdp_turbo.distributed.tensor_parallel import StyleChoice, StyleKind, resolve_tp_plan
 from fsdp_turbo.fsdp_turbo_config import CPPlanConfig, TPPlanConfig

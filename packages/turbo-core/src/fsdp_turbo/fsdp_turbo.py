@@ -27,6 +27,7 @@ from fsdp_turbo.core.features import Feature, ignored_fields, requested_features
 from fsdp_turbo.core.lm_loss import honour_ignore_index, lm_loss
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.model_facts import ModelFacts, resolve_model_facts
+from fsdp_turbo.core.module_patches import apply_module_patches
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import FeaturePlan, Transform, TransformRegistry, planning_order, registry
 from fsdp_turbo.core.topology import launch_warnings
@@ -82,8 +83,11 @@ class Planned(NamedTuple):
 
 def model_facts(config: FSDPTurboConfig, model: nn.Module, transforms: TransformRegistry = registry) -> ModelFacts:
     """What ``model`` is, from ``config.model_facts`` and detection. The installed transforms
-    are loaded first: expert parallel registers the expert forms the facts recognise."""
+    are loaded first (expert parallel registers the expert forms the facts recognise), and the
+    module patches (the families' and ``config.module_patches``) applied: they change what the
+    facts see."""
     transforms.all()
+    apply_module_patches(model, config.module_patches)
     return resolve_model_facts(model, config.model_facts)
 
 

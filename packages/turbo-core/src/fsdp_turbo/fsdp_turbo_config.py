@@ -49,6 +49,7 @@ from fsdp_turbo.core.choices import check_published_choice
 from fsdp_turbo.core.dtypes import parse_dtype
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.model_facts import ModelFactsConfig
+from fsdp_turbo.core.module_patches import ModulePatch
 from fsdp_turbo.core.parallel_state import ParallelSizes, resolve_parallel_sizes
 from fsdp_turbo.core.validation import (
     ConfigSection,
@@ -58,6 +59,7 @@ from fsdp_turbo.core.validation import (
     check_int,
     check_optional_patterns,
     check_patterns,
+    check_sections,
     moved_fields,
 )
 
@@ -574,6 +576,11 @@ class FSDPTurboConfig(ConfigSection):
     device_type: str | None = None
     """``"cpu"``, ``"cuda"`` or ``"npu"``. Unset: the accelerator PyTorch finds, else the CPU."""
 
+    module_patches: tuple[ModulePatch, ...] = ()
+    """Members of the model's module classes replaced before anything is planned, e.g. a faster
+    forward: a list of ``{target: package.module.Class.member, replacement: package.function,
+    modules: [patterns]}`` (``modules`` unset: every instance). See ``ModulePatch``."""
+
 
     def __post_init__(self) -> None:
         check_int(self.data_parallel_size, "data_parallel_size", minimum=1)
@@ -597,6 +604,9 @@ class FSDPTurboConfig(ConfigSection):
                               "name a torch.compile backend, e.g. 'inductor' or 'aot_eager'")
         if self.device_type is not None:
             _set(self, "device_type", check_choice(self.device_type, "device_type", ("cpu", "cuda", "npu")))
+        _set(self, "module_patches", check_sections(
+            self.module_patches, ModulePatch, "module_patches", allow_empty=True,
+            example="[{target: pkg.module.Class.forward, replacement: my_pkg.fast_forward}]"))
 
     def _check_plans_match_sizes(self) -> None:
         tp = self.tensor_parallel_size

@@ -23,6 +23,7 @@ from fsdp_turbo.core.validation import (
     check_int,
     check_keys,
     check_patterns,
+    check_sections,
 )
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
@@ -100,20 +101,6 @@ def _dtype_name(value: Any) -> str:
     return dtype_name(parse_dtype(value, "model.dtype"))
 
 
-def _sections(value: Any, kind: type[ConfigSection], field_name: str) -> tuple:
-    """A list of mappings in the file, each built into ``kind`` and named ``field[i]`` in errors."""
-    if not isinstance(value, list | tuple) or not value:
-        raise ConfigError(field_name, value, "give a list of mappings, e.g. [{path: train.jsonl, text_field: text}]")
-    sections = []
-    for i, item in enumerate(value):
-        try:
-            sections.append(item if isinstance(item, kind) else kind.from_dict(item))
-        except ConfigError as error:  # the same error, with the entry's index in its field name
-            field = error.field.replace(kind._prefix, f"{field_name}[{i}]", 1)
-            raise ConfigError(field, error.value, error.fix, reason=error.reason) from None
-    return tuple(sections)
-
-
 @dataclass(frozen=True)
 class SourceSection(ConfigSection):
     """One dataset: files by glob (``.jsonl .json .parquet .csv .txt .arrow``) or a
@@ -174,9 +161,13 @@ class EvalSection(ConfigSection):
     must hold ``batches x run.micro_batch x data shards`` sequences, checked before step 1."""
 
     def __post_init__(self) -> None:
-        _set(self, "sources", _sections(self.sources, SourceSection, "data.eval.sources"))
+        _set(self, "sources", _sources(self.sources, "data.eval.sources"))
         check_int(self.every, "data.eval.every", minimum=1)
         check_int(self.batches, "data.eval.batches", minimum=1)
+
+
+def _sources(value: Any, field_name: str) -> tuple[SourceSection, ...]:
+    return check_sections(value, SourceSection, field_name, example="[{path: train.jsonl, text_field: text}]")
 
 
 OVERFLOW = ("split", "truncate", "error")
@@ -255,7 +246,7 @@ class DataSection(ConfigSection):
                 raise ConfigError("data.files", self.files, "give a list of glob patterns")
             _set(self, "files", tuple(files))
         else:
-            _set(self, "sources", _sections(self.sources, SourceSection, "data.sources"))
+            _set(self, "sources", _sources(self.sources, "data.sources"))
         if self.eval is not None and not isinstance(self.eval, EvalSection):
             raise ConfigError("data.eval", self.eval, "use a mapping with sources, every and batches")
         if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir):

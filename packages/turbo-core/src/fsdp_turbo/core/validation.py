@@ -103,6 +103,21 @@ def moved_fields(moved: dict[str, str]):
     return wrap
 
 
+def check_sections(value: Any, kind: type[ConfigSection], field_name: str, *, example: str,
+                   allow_empty: bool = False) -> tuple:
+    """A list of mappings, each built into ``kind`` and named ``field[i]`` in errors."""
+    if not isinstance(value, list | tuple) or (not value and not allow_empty):
+        raise ConfigError(field_name, value, f"give a list of mappings, e.g. {example}")
+    sections = []
+    for i, item in enumerate(value):
+        try:
+            sections.append(item if isinstance(item, kind) else kind.from_dict(item))
+        except ConfigError as error:  # the same error, with the entry's index in its field name
+            field = error.field.replace(kind._prefix, f"{field_name}[{i}]", 1)
+            raise ConfigError(field, error.value, error.fix, reason=error.reason) from None
+    return tuple(sections)
+
+
 def check_bool(value: Any, field: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(field, value, "use True or False")

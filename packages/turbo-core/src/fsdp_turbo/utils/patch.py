@@ -30,7 +30,7 @@ from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
 
-__all__ = ["patch_model_members", "resolve_callable"]
+__all__ = ["class_and_member", "patch_instance", "patch_model_members", "resolve_callable"]
 
 _REPLACEMENT = "_fsdp_turbo_replaced_by"  # on an installed member: the function it came from
 
@@ -70,7 +70,8 @@ def resolve_callable(value: Callable[..., Any] | str, field: str = "replacements
     return found
 
 
-def _class_and_member(target: str) -> tuple[type, str]:
+def class_and_member(target: str) -> tuple[type, str]:
+    """The class and member name ``package.module.Class.member`` names."""
     class_path, _, member = target.rpartition(".")
     if not class_path or "." not in class_path:
         raise ConfigError("targets", target, "give 'package.module.Class.member'")
@@ -98,7 +99,8 @@ def _patch_property(cls: type, member: str, descriptor: property, replacement: C
     setattr(owner, member, property(getter, descriptor.fset, descriptor.fdel, descriptor.__doc__))
 
 
-def _patch_instance(module: nn.Module, member: str, replacement: Callable[..., Any], target: str) -> None:
+def patch_instance(module: nn.Module, member: str, replacement: Callable[..., Any], target: str) -> None:
+    """Replace ``member`` on one module (``target`` names it in errors), by the rules above."""
     descriptor = inspect.getattr_static(module, member, None)
     if descriptor is None:
         raise ConfigError("targets", target, "name a member the class has",
@@ -137,10 +139,10 @@ def patch_model_members(model: nn.Module, targets: str | Iterable[str],
         raise ConfigError("replacements", len(replacements), f"give one replacement, or {len(targets)} (one a target)")
     matched = 0
     for target, replacement in zip(targets, replacements, strict=True):
-        cls, member = _class_and_member(target)
+        cls, member = class_and_member(target)
         function = resolve_callable(replacement)
         for _, module in model.named_modules():
             if isinstance(module, cls):
-                _patch_instance(module, member, function, target)
+                patch_instance(module, member, function, target)
                 matched += 1
     return matched

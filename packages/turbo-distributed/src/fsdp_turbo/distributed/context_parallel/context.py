@@ -9,6 +9,19 @@ import torch
 import torch.distributed as dist
 
 
+@dataclass(frozen=True)
+class LayerSpec:
+    """What the context-parallel attention must know of one attention module, from the model
+    facts: its window or chunk (masked from global positions) and the per-head tensors its
+    core attention reads from it (cut to each Ulysses rank's heads)."""
+
+    name: str
+    index: int | None = None  # its layer (block) index
+    window: int | None = None
+    chunk: int | None = None
+    head_parameters: tuple[str, ...] = ()
+
+
 @dataclass
 class ForwardContext:
     seq_len: int  # the padded full sequence length, a multiple of cp
@@ -55,8 +68,6 @@ class CPState:
     def spec(self, module):
         """The plan's ``LayerSpec`` of an attention module (an empty one for a module the model
         facts do not list: a non-HF core attention, whose call says what it needs)."""
-        from fsdp_turbo.distributed.context_parallel.plan import LayerSpec
-
         return self.layers.get(module) or LayerSpec("")
 
     @property

@@ -11,6 +11,7 @@ from torch import nn
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.model_facts import ModelFacts, import_attention_function
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow
+from fsdp_turbo.distributed.context_parallel.context import LayerSpec
 from fsdp_turbo.distributed.context_parallel.inputs import InputNames
 from fsdp_turbo.distributed.context_parallel.linear_attention import LinearAttentionLayer
 from fsdp_turbo.fsdp_turbo_config import CPPlanConfig
@@ -44,19 +45,6 @@ class CPTarget:
     def layers(self) -> int:
         """How many attention calls a forward must make through the wrapper (0: unknown)."""
         return len(self.module_names)
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """What the context-parallel attention must know of one attention module, from the model
-    facts: its window or chunk (masked from global positions) and the per-head tensors its
-    core attention reads from it (cut to each Ulysses rank's heads)."""
-
-    name: str
-    index: int | None = None  # its layer (block) index
-    window: int | None = None
-    chunk: int | None = None
-    head_parameters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
