@@ -32,11 +32,11 @@ def test_a_patch_by_pattern_replaces_only_the_picked_instances():
     patch = {"target": MLP, "replacement": f"{__name__}.counted_forward", "modules": ["model.layers.1.mlp"]}
     model = FSDPTurbo({"module_patches": [patch]}, tiny_hf_causal_lm("llama"))
     torch.testing.assert_close(model(input_ids=_ids()).logits, expected)
-    assert CALLS == ["LlamaMLP"]  # layer 1 only
+    assert CALLS == ["PatchedLlamaMLP"]  # layer 1 only; the class mixed into LlamaMLP
     CALLS.clear()
     model = FSDPTurbo({"module_patches": [{**patch, "modules": None}]}, tiny_hf_causal_lm("llama"))
     model(input_ids=_ids())
-    assert CALLS == ["LlamaMLP", "LlamaMLP"]
+    assert CALLS == ["PatchedLlamaMLP", "PatchedLlamaMLP"]
 
 
 def test_the_section_is_validated_like_the_others():
@@ -61,4 +61,4 @@ def test_a_family_patch_applies_before_the_facts():
         model(input_ids=_ids())
     finally:
         unregister_family("patched")
-    assert CALLS == ["LlamaMLP", "LlamaMLP"]
+    assert CALLS == ["PatchedLlamaMLP", "PatchedLlamaMLP"]

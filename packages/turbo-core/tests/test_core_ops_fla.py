@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.nn.functional import logsigmoid
 
-import fsdp_turbo.ops.fla  # noqa: F401  (registers the ops, as clients import it)
+import fsdp_turbo.ops.fla  # registers the ops, as clients import it
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.ops import LazyKernel, library_available
 from fsdp_turbo.ops.fla import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -300,3 +300,53 @@ def test_ops_replace_the_modeling_functions(name, monkeypatch):
     _assert_model_unchanged(before, (_train_step(model), _decode_step(model)))
     # 2 linear-attention layers: training and prefill use the chunk op, the decoded token the recurrent one
     assert ran.count(chunk) == 4 and ran.count(recurrent) == 2
+
+
+# ----- Kimi Delta Attention: one log-decay per key channel ------------------------------------
+kimi_linear = importlib.import_module("transformers.models.kimi_linear.modeling_kimi_linear")
+REF_KDA_CHUNK = getattr(kimi_linear.chunk_kimi_delta_attention, "__wrapped__",
+                        kimi_linear.chunk_kimi_delta_attention)
+
+
+def _kda_inputs(seed, batch=2, length=37, heads=2, head_dim=8, value_dim=6):
+    """q, k, v, g (a log-decay per key channel, strong in some channels), beta, h0."""
+    q, k, v, _, beta, h0 = _inputs(seed, batch, length, heads, heads, head_dim, value_dim)
+    gen = torch.Generator().manual_seed(seed + 1)
+    g = (logsigmoid(torch.randn(batch, length, heads, head_dim, generator=gen)) * 4).requires_grad_()
+    return q, k, v, g, beta, h0
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 16, 64])
+def test_kda_chunked_equals_its_recurrence_and_transformers(chunk_size):
+    """The chunked KDA (any chunk size) against the token-by-token form and transformers' own
+    chunked reference (chunk 64), with l2-normalised q/k, an initial state and the final state;
+    outputs and every input's gradient."""
+    leaves = _kda_inputs(3)
+    q, k, v, g, beta, h0 = leaves
+    ours = _loss_and_grads(fsdp_turbo.ops.fla.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                        use_qk_l2norm_in_kernel=True, chunk_size=chunk_size), leaves)
+    token = _loss_and_grads(fsdp_turbo.ops.fla.fused_recurrent_kda(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True), leaves)
+    theirs = _loss_and_grads(REF_KDA_CHUNK(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True), leaves)
+    _assert_same(ours, token)
+    _assert_same(ours, theirs)
+
+
+def test_kda_packed_sequences_run_independently():
+    q, k, v, g, beta, _ = (x.detach() for x in _kda_inputs(4, batch=1, length=20) if x is not None)
+    bounds = [0, 6, 6, 20]  # an empty sequence included
+    packed, states = get_op("chunk_kda", "cpu")(q, k, v, g, beta, cu_seqlens=torch.tensor(bounds),
+                                                output_final_state=True)
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+        alone, state = fsdp_turbo.ops.fla.fused_recurrent_kda(*(x[:, a:b] for x in (q, k, v, g, beta)),
+                                                              output_final_state=True)
+        torch.testing.assert_close(packed[:, a:b], alone, **TOL)
+        torch.testing.assert_close(states[i:i + 1], state, **TOL)
+
+
+def test_kda_refuses_a_decay_per_head():
+    q, k, v, _, beta, _ = _inputs(5)
+    with pytest.raises(ConfigError, match="one log-decay per key channel") as caught:
+        fsdp_turbo.ops.fla.chunk_kda(q, k, v, torch.zeros(v.shape[:3]), beta)
+    assert caught.value.field == "g"

@@ -44,6 +44,7 @@ from fsdp_turbo.core.families.resolve import (
     model_sizes,
     routers,
 )
+from fsdp_turbo.core.forms import class_names
 from fsdp_turbo.core.patterns import match_modules
 from fsdp_turbo.core.validation import ConfigSection, check_int, check_optional_patterns
 
@@ -294,7 +295,7 @@ def _outermost(named: dict[str, nn.Module]) -> dict[str, nn.Module]:
 def _detect_blocks(model: nn.Module) -> tuple[tuple[str, ...], str]:
     block_classes = set(getattr(model, "_no_split_modules", None) or ())
     if block_classes:
-        named = _outermost({n: m for n, m in model.named_modules() if n and type(m).__name__ in block_classes})
+        named = _outermost({n: m for n, m in model.named_modules() if n and class_names(m) & block_classes})
         if named:
             return tuple(named), "detected: Hugging Face _no_split_modules"
     best: tuple[int, str, nn.Module] | None = None

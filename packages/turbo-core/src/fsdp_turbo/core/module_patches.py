@@ -1,8 +1,13 @@
 """Member patches applied to the model before anything is planned: the config's
 ``module_patches`` (a user's kernels, by pattern) and the families' own (``Family.patches``:
-where a family's code does not fit a feature's contract). Both go through
-``fsdp_turbo.utils.patch``, the member patcher of the upstream module API, whose rules say
-how each kind of member is replaced; patching twice with the same replacement changes nothing.
+where a family's code does not fit a feature's contract).
+
+A plain method is replaced by mixing a class that defines it into the module's own class
+(``core.mixin``, as the features change modules): a feature that later mixes its own class in
+(expert parallel, MX training) then still replaces the method. An instance attribute would
+hide the feature's method, and the feature would silently not run. Other members (properties,
+static and class methods, callable attributes) follow ``fsdp_turbo.utils.patch``, the member
+patcher of the upstream module API. Patching twice with the same replacement changes nothing.
 
 A patch changes what the model facts see (an expert container's call, say), so the facade
 applies them first, and ``fsdp-turbo plan`` shows the same model ``train`` trains.
@@ -10,7 +15,9 @@ applies them first, and ``fsdp-turbo plan`` shows the same model ``train`` train
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+import types
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -19,6 +26,8 @@ from torch import nn
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.forms import class_names
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.member_patch import class_and_member, patch_instance, resolve_callable
+from fsdp_turbo.core.mixin import mix_in
 from fsdp_turbo.core.patterns import match_modules
 from fsdp_turbo.core.validation import ConfigSection, check_optional_patterns
 
@@ -60,6 +69,19 @@ class ModulePatch(ConfigSection):
         _set(self, "modules", check_optional_patterns(self.modules, f"{p}.modules"))
 
 
+_PATCH_CLASSES: dict[tuple[str, Callable[..., Any]], type] = {}
+
+
+def _patch_member(module: nn.Module, member: str, replacement: Callable[..., Any], target: str) -> None:
+    if not isinstance(inspect.getattr_static(module, member, None), types.FunctionType):
+        patch_instance(module, member, replacement, target)
+        return
+    patch = _PATCH_CLASSES.setdefault((member, replacement), type(
+        f"Patched_{member}", (), {member: replacement, "__doc__": f"{member} replaced by {replacement.__qualname__}"}))
+    if not isinstance(module, patch):
+        mix_in(module, patch, "Patched")
+
+
 def _renamed(error: ConfigError, field: str) -> ConfigError:
     # utils.patch names its arguments ("targets", "replacements"); a config names its fields
     names = {"targets": f"{field}.target", "replacements": f"{field}.replacement"}
@@ -67,8 +89,6 @@ def _renamed(error: ConfigError, field: str) -> ConfigError:
 
 
 def _apply_one(model: nn.Module, patch: ModulePatch, field: str) -> int:
-    from fsdp_turbo.utils.patch import class_and_member, patch_instance, resolve_callable
-
     try:
         cls, member = class_and_member(patch.target)
         replacement = resolve_callable(patch.replacement)
@@ -84,7 +104,7 @@ def _apply_one(model: nn.Module, patch: ModulePatch, field: str) -> int:
                           reason=f"the model holds no {cls.__name__}")
     try:
         for module in instances.values():
-            patch_instance(module, member, replacement, patch.target)
+            _patch_member(module, member, replacement, patch.target)
     except ConfigError as error:
         raise _renamed(error, field) from None
     return len(instances)
@@ -94,13 +114,12 @@ def apply_module_patches(model: nn.Module, patches: Sequence[ModulePatch]) -> No
     """The families' patches, then the config's, on every instance they name. Raises
     ``ConfigError`` (the same on every rank); never communicates."""
     from fsdp_turbo.core.families import families
-    from fsdp_turbo.utils.patch import patch_instance
 
     for family in families():
         for known in family.patches:
             modules = [m for _, m in model.named_modules() if known.module_class in class_names(m)]
             for module in modules:
-                patch_instance(module, known.member, known.replacement, f"{known.module_class}.{known.member}")
+                _patch_member(module, known.member, known.replacement, f"{known.module_class}.{known.member}")
             if modules:
                 _log.info(f"{family.name}: {known.module_class}.{known.member} replaced on {len(modules)} modules "
                           f"({known.why})")

@@ -147,3 +147,8 @@ class Family:
     """``config -> {size: value}`` for sizes a config does not hold under one name
     (overrides ``sizes``)."""
     patches: tuple[MemberPatch, ...] = ()
+    query_scales: Callable[[Any, Any], Any] | None = None
+    """``(attention module, index [S]) -> scale [S] or None``: for a family whose attention
+    scales its queries by a function of their index in the row (Llama 4's temperature tuning on
+    its NoPE layers), not of ``position_ids``; None for a module that scales none. Context
+    parallel corrects a chunk's queries by the global index."""

@@ -6,15 +6,16 @@ families, never communicates, and raises ``ConfigError`` the same way on every r
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.families.facts import AttentionKind, Family, LayerKind, SizeNames
-from fsdp_turbo.core.families.hf import hf_layer_kinds
+from fsdp_turbo.core.families.hf import config_value, hf_layer_kinds, per_layer_attributes
 from fsdp_turbo.core.families.linear_forms import recognise_linear_attention
 from fsdp_turbo.core.families.registry import families, family_for
 from fsdp_turbo.core.forms import class_names
@@ -39,6 +40,8 @@ class AttentionLayer:
     form: type | None = None  # linear: the form that reads it (None: no registered form does)
     kv_heads: int | None = None  # where the layer's own differ from the model's
     head_dim: int | None = None
+    # the family's query scale by row index (Family.query_scales), if this module's queries get one
+    query_scale: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -139,9 +142,18 @@ def attention_layers(model: nn.Module, blocks: Sequence[str]) -> tuple[Attention
         recurrent = form is not None or any(_owns_decay(inner) for inner in module.modules())
         if recurrent and kind.kind is not AttentionKind.LINEAR:
             kind = LayerKind(AttentionKind.LINEAR, declared=kind.declared or "recurrent")
+        scale = _query_scale(model, module)
         found.append(AttentionLayer(name, kind.kind, index, kind.window, kind.chunk, kind.declared, form,
-                                    kind.kv_heads, kind.head_dim))
+                                    kind.kv_heads, kind.head_dim, scale))
     return tuple(found)
+
+
+def _query_scale(model: nn.Module, module: nn.Module) -> Callable[..., Any] | None:
+    family = family_for(_config(model))
+    scales = family.query_scales if family is not None else None
+    if scales is None or scales(module, torch.zeros(1, dtype=torch.long)) is None:
+        return None
+    return scales
 
 
 # ----- per-head parameters, latents, norms over every head -----------------------------------
@@ -236,11 +248,25 @@ def indexers(model: nn.Module) -> tuple[str, ...]:
 
 # ----- sizes -----------------------------------------------------------------------------------
 def _first(config: Any, names: Sequence[str]) -> Any:
+    """The first of ``names`` the config (or model) holds model-wide."""
     for name in names:
-        value = getattr(config, name, None)
+        value = config_value(config, name)
         if value is not None:
             return value
     return None
+
+
+def _per_layer(config: Any, names: Sequence[str], pick: Callable[[list[int]], int]) -> int | None:
+    """For a size a heterogeneous config holds per layer: ``pick`` of the layers' values."""
+    for name in names:
+        if name in per_layer_attributes(config):
+            values = [v for i in range(len(config.per_layer_config)) if (v := config_value(config, name, i))]
+            return pick(values) if values else None
+    return None
+
+
+def _most_common(values: list[int]) -> int:
+    return max(set(values), key=values.count)
 
 
 def model_sizes(model: nn.Module, layers: int, heads: int | None, kv_heads: int | None) -> ModelSizes:
@@ -253,7 +279,8 @@ def model_sizes(model: nn.Module, layers: int, heads: int | None, kv_heads: int 
     if config is not None:
         for size in fields(SizeNames):
             if size.name not in ("heads", "kv_heads"):
-                values[size.name] = _first(config, getattr(names, size.name))
+                values[size.name] = _first(config, getattr(names, size.name)) or _per_layer(
+                    config, getattr(names, size.name), _most_common)
         if family is not None and family.sizes_of is not None:
             values.update(family.sizes_of(config))
     values = {k: int(v) for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
@@ -274,7 +301,9 @@ def head_counts(model: nn.Module, configured_heads: int | None, configured_kv: i
     extra = family.sizes_of(config) if family is not None and family.sizes_of is not None and config else {}
     # a model without an HF config may hold its own
     detected_heads = extra.get("heads") or _first(config, names.heads) or _first(model, names.heads)
-    detected_kv = extra.get("kv_heads") or _first(config, names.kv_heads) or _first(model, names.kv_heads)
+    # per layer (a heterogeneous config): the fewest, which every split must divide
+    detected_kv = (extra.get("kv_heads") or _first(config, names.kv_heads) or _per_layer(config, names.kv_heads, min)
+                   or _first(model, names.kv_heads))
     heads = configured_heads if configured_heads is not None else detected_heads
     kv_heads = configured_kv or detected_kv or heads
     source = ("configured: model_facts.num_attention_heads" if configured_heads is not None

@@ -47,7 +47,7 @@ from torch.nn.functional import pad
 
 from fsdp_turbo.core.errors import ConfigError
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "l2norm"]
+__all__ = ["check_options", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "l2norm", "run_scan"]
 
 L2NORM_EPS = 1e-6  # fla's (and transformers') epsilon under the square root
 
@@ -74,6 +74,17 @@ def _refuse_unsupported(kwargs: dict[str, Any]) -> None:
             shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else value
             raise ConfigError(option, shown, f"leave {option} unset: the portable gated delta rule does not "
                                              "implement it (fla's CUDA kernels do)")
+
+
+def check_options(kwargs: dict[str, Any], chunk_size: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  g: torch.Tensor | None, beta: torch.Tensor | None) -> None:
+    """The checks every op of this family makes: options it does not implement refused, a
+    positive int chunk size, and the operands' shapes (``g`` checked here only when it has one
+    value per value head)."""
+    _refuse_unsupported(kwargs)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ConfigError("chunk_size", chunk_size, "give a positive int (fla's CUDA kernels take 16, 32 or 64)")
+    _check_shapes(q, k, v, g, beta)
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
@@ -124,12 +135,12 @@ def _segments(cu_seqlens: torch.Tensor | Sequence[int], q: torch.Tensor) -> list
     return bounds
 
 
-def _run(scan: _Scan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def run_scan(scan: _Scan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
          scale: float | None, initial_state: torch.Tensor | None, output_final_state: bool,
          cu_seqlens: torch.Tensor | Sequence[int] | None, use_qk_l2norm_in_kernel: bool,
          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Shared by both forms: layout in and out, and packed sequences run one by one, each from
-    its own initial state (a sequence never sees its neighbours' tokens)."""
+    """Shared by every form (and KDA's, :mod:`.kda`): layout in and out, and packed sequences run
+    one by one, each from its own initial state (a sequence never sees its neighbours' tokens)."""
     out_dtype = q.dtype
     qh, kh, vh, gh, bh = _heads_first(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     if cu_seqlens is None:
@@ -206,15 +217,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     not the result. Options after ``beta`` are keyword-only: fla and transformers order them
     differently, and a positional call must not bind ``scale`` to one and ``chunk_size`` to the other.
     """
-    _refuse_unsupported(kwargs)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ConfigError("chunk_size", chunk_size, "give a positive int (fla's CUDA kernels take 16, 32 or 64)")
-    _check_shapes(q, k, v, g, beta)
+    check_options(kwargs, chunk_size, q, k, v, g, beta)
 
     def scan(*operands: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _chunked_scan(*operands, chunk_size=chunk_size)
 
-    return _run(scan, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+    return run_scan(scan, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                 use_qk_l2norm_in_kernel)
 
 
@@ -230,9 +238,8 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     :func:`chunk_gated_delta_rule`, and as in fla ``g=None`` means no decay and ``beta=None``
     a full write (``beta = 1``).
     """
-    _refuse_unsupported(kwargs)
-    _check_shapes(q, k, v, g, beta)
+    check_options(kwargs, 1, q, k, v, g, beta)
     g = v.new_zeros(v.shape[:3]) if g is None else g
     beta = v.new_ones(v.shape[:3]) if beta is None else beta
-    return _run(_recurrent_scan, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+    return run_scan(_recurrent_scan, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                 use_qk_l2norm_in_kernel)
