@@ -10,7 +10,16 @@ here (plus its tests). A model the library does not know is described in the con
 """
 
 # The built-in families register themselves when imported.
-from fsdp_turbo.core.families import deepseek_v3, gpt_oss, qwen3_5, qwen3_next  # noqa: F401
+from fsdp_turbo.core.families import (  # noqa: F401 - the built-in families register themselves
+    deepseek_v3,
+    gemma4,
+    glm4_moe,
+    gpt_oss,
+    llama4,
+    minimax_m2,
+    qwen3_5,
+    qwen3_next,
+)
 from fsdp_turbo.core.families.facts import (
     AttentionKind,
     Family,

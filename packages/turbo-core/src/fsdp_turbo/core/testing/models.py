@@ -58,6 +58,53 @@ TINY_QWEN3_5_MOE_DEFAULTS: dict[str, Any] = {
     **TINY_QWEN3_5_DEFAULTS, **TINY_MOE_DEFAULTS, "shared_expert_intermediate_size": 32}
 
 
+# GLM-4-MoE: per-head q/k norms, partial rotary, grouped sigmoid routing, one dense layer first.
+TINY_GLM4_MOE_DEFAULTS: dict[str, Any] = {
+    "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+    "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "use_qk_norm": True,
+}
+# MiniMax-M2: q/k norms over every head's channels; intermediate_size is one expert's width.
+TINY_MINIMAX_M2_DEFAULTS: dict[str, Any] = {"intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                            "rotary_dim": 8, "bos_token_id": None, "eos_token_id": None}
+# Gemma 4 (text), one tiny model with every part: sliding (window 4) and global layers, the global
+# ones with head dim 32 and keys doubling as values over 2 heads of their own; the last two layers
+# reuse the first two's keys and values; per-layer token inputs; MoE beside the dense MLP; final
+# logit soft-capping.
+TINY_GEMMA4_DEFAULTS: dict[str, Any] = {
+    "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 4,
+    "global_head_dim": 32, "attention_k_eq_v": True, "num_global_key_value_heads": 2, "num_kv_shared_layers": 2,
+    "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 256, "enable_moe_block": True,
+    "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 32, "final_logit_softcapping": 30.0,
+    "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1,
+}
+# Llama 4 (text): chunked attention (chunk 8 of 16 tokens) in layers 0-2, a NoPE full layer 3
+# whose queries get the temperature (floor_scale 4: it varies over 16 tokens); MoE in layers 1, 3.
+TINY_LLAMA4_DEFAULTS: dict[str, Any] = {
+    "num_hidden_layers": 4, "intermediate_size": 32, "intermediate_size_mlp": 128, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "interleave_moe_layer_step": 2, "no_rope_layer_interval": 4,
+    "attention_chunk_size": 8, "floor_scale": 4, "attn_scale": 0.1, "pad_token_id": 0, "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+# Kimi Linear: KDA linear attention in layers 0, 2, MLA (no rotary; value heads 16 wide, query/key
+# heads 24) in 1, 3; a dense first layer, then MoE with a shared expert.
+TINY_KIMI_LINEAR_DEFAULTS: dict[str, Any] = {
+    "num_hidden_layers": 4, "num_key_value_heads": 4, "moe_intermediate_size": 32,
+    "layer_types": ["linear_attention", "full_attention"] * 2, "mlp_layer_types": ["dense"] + ["sparse"] * 3,
+    "kv_lora_rank": 16, "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    "linear_num_heads": 4, "linear_head_dim": 16, "linear_conv_kernel_dim": 4, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "n_shared_experts": 1, "pad_token_id": 0,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+# DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-MoE-DSA): MLA whose keys an indexer picks, 8 of
+# each query's (16 tokens), value heads 12 wide beside 16-wide query/key heads.
+TINY_DSA_DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": 4, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "kv_lora_rank": 16,
+    "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 12, "index_n_heads": 2,
+    "index_head_dim": 16, "index_topk": 8,
+}
+
+
 def tiny_hf_causal_lm(kind: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32,
                       device: str | torch.device | None = None, **overrides: Any) -> nn.Module:
     """A tiny ``LlamaForCausalLM``, ``Qwen3ForCausalLM``, or MoE model with 8 experts, top-2:
@@ -80,6 +127,13 @@ def tiny_hf_causal_lm(kind: str = "llama", *, seed: int = 0, dtype: torch.dtype 
         "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, TINY_QWEN3_5_DEFAULTS),
         "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM,
                         TINY_QWEN3_5_MOE_DEFAULTS),
+        "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM, TINY_GLM4_MOE_DEFAULTS),
+        "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM, TINY_MINIMAX_M2_DEFAULTS),
+        "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM, TINY_GEMMA4_DEFAULTS),
+        "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, TINY_LLAMA4_DEFAULTS),
+        "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM, TINY_KIMI_LINEAR_DEFAULTS),
+        "deepseek_v32": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM, TINY_DSA_DEFAULTS),
+        "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM, TINY_DSA_DEFAULTS),
     }
     if kind not in classes:
         raise ValueError(f"unknown tiny model {kind!r}; use one of {sorted(classes)}")

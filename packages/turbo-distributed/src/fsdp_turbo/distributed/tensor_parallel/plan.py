@@ -30,6 +30,7 @@ from fsdp_turbo.distributed.tensor_parallel.styles import (
     SEQUENCE_DIM,
     FrozenKeepingSequenceParallel,
     HeadLocalParallel,
+    HeadsNormParallel,
     PrepareHiddenStates,
     ReplicateParallel,
     ScatterSequence,
@@ -51,6 +52,7 @@ class StyleKind(StrEnum):
     SEQUENCE_PARALLEL = "sequence_parallel"  # a norm computing on this rank's sequence slice
     PREPARE_INPUT = "prepare_input"  # the parent of colwise siblings: its input gathered once
     HEAD_LOCAL = "head_local"  # acts per head on head-sharded activations (Qwen3's q_norm)
+    HEADS_NORM = "heads_norm"  # an RMS norm over every head's channels (MiniMax-M2's q_norm): its statistic summed
     SCATTER_SEQUENCE = "scatter_sequence"  # the first block: the entry into the sequence region
     GATHER_REPLICATE = "gather_replicate"  # an unsharded output head after sequence parallel
     REPLICATE = "replicate"  # outside the plan: replicated parameters, local compute
@@ -97,6 +99,7 @@ def build_style(choice: StyleChoice) -> ParallelStyle:
         StyleKind.PREPARE_INPUT: lambda: PrepareHiddenStates(sequence_parallel=choice.sequence_sharded,
                                                              head_parameters=choice.head_parameters),
         StyleKind.HEAD_LOCAL: HeadLocalParallel,
+        StyleKind.HEADS_NORM: HeadsNormParallel,
         StyleKind.SCATTER_SEQUENCE: ScatterSequence,
         StyleKind.GATHER_REPLICATE: lambda: ReplicateParallel(gather_sequence=True),
         StyleKind.REPLICATE: ReplicateParallel,
@@ -292,6 +295,8 @@ def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int, facts: ModelF
                   for dim in _shard_dims(name, model.get_submodule(name), choice.kind)]
     shard_dims += [(f"{name}.{parameter}", dim) for name, choice in styles.items()
                    for parameter, dim in choice.head_parameters]
+    shard_dims += [(f"{name}.{parameter}", 0) for name, choice in styles.items() if choice.kind is StyleKind.HEADS_NORM
+                   for parameter, _ in model.get_submodule(name).named_parameters(recurse=False)]
     return TPPlan(tp, tuple(styles.items()), tuple(tied), loss_head, tuple(shard_dims), _kind_rows(styles, facts))
 
 
@@ -330,7 +335,8 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
                   if name and keep(name, module) and name not in planned and _parent(name) in hook_parents
                   and _own_params(module) and not _children_own_params(module)]
     latent = {name: known for name in head_local if (known := facts.latent(name)) is not None}
-    head_local = [name for name in head_local if name not in latent]
+    heads_norms = _heads_norms(facts, head_local, colwise)
+    head_local = [name for name in head_local if name not in latent and name not in heads_norms]
     _refuse_unplanned_projections(model, head_local)
     head_name = facts.head
     styles: dict[str, StyleChoice] = {}
@@ -351,6 +357,8 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
         styles[name] = StyleChoice(StyleKind.SEQUENCE_PARALLEL)
     for name in head_local:
         styles[name] = StyleChoice(StyleKind.HEAD_LOCAL)
+    for name in heads_norms:
+        styles[name] = StyleChoice(StyleKind.HEADS_NORM)
     for name, known in latent.items():
         styles[name] = _latent_choice(model, name, known)
     whole = [*linear, *_whole_modules(model, styles, set(colwise) | set(rowwise), keep)]
@@ -409,6 +417,23 @@ def _latent_choice(model: nn.Module, name: str, known: LatentFact) -> StyleChoic
     if not isinstance(model.get_submodule(name), nn.Linear):
         return StyleChoice(StyleKind.REPLICATE)
     return StyleChoice(StyleKind.REPLICATE_PREPARED, shared_tail=known.shared_tail)
+
+
+def _heads_norms(facts: ModelFacts, head_local: list[str], colwise: dict[str, nn.Module]) -> list[str]:
+    """The model facts' norms over every head's channels among the modules beside the split
+    projections. Each normalises a projection's output, which must then be split too (by head,
+    colwise): the norm's weight splits with it and its statistic is summed over the ranks."""
+    found = []
+    for fact in facts.heads_norms:
+        if fact.module not in head_local:
+            continue
+        if fact.projection not in colwise:
+            raise ConfigError("tp_plan.colwise_parallel", fact.projection, f"add {fact.projection!r} to "
+                              "tp_plan.colwise_parallel (split it by head beside the other projections)",
+                              reason=f"{fact.module} normalises its output over every head at once, and a norm "
+                                     "beside split projections sees one rank's heads")
+        found.append(fact.module)
+    return found
 
 
 def _refuse_unplanned_projections(model: nn.Module, head_local: list[str]) -> None:

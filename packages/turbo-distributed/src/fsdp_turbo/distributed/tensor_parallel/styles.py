@@ -13,6 +13,9 @@
 * :class:`HeadLocalParallel`: a module that acts per attention head on the
   head-sharded activations (Qwen3's ``q_norm``/``k_norm``); its replicated weight
   gets the sum of every rank's gradient.
+* :class:`HeadsNormParallel`: an RMS norm over every head's channels of a split projection's
+  output (MiniMax-M2's ``q_norm`` over ``[heads * head_dim]``): its weight split with the heads,
+  its mean square summed over the TP ranks.
 * :class:`PrepareHiddenStates`: converts a block's ``hidden_states`` input (the first
   positional tensor or the ``hidden_states`` keyword) once to a replicated DTensor,
   so the colwise projections that share it cost one collective, not one each. With
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
@@ -235,6 +239,38 @@ class HeadLocalParallel(ParallelStyle):
 
         return distribute_module(module, device_mesh, partition_fn=_replicate_own_parameters(module),
                                  input_fn=annotate, output_fn=lambda mod, outputs, mesh: _to_local(outputs))
+
+
+class HeadsNormParallel(ParallelStyle):
+    """An RMS norm over the last dim of a colwise projection's output, which each TP rank holds a
+    slice of (its heads' channels). The weight is split the same way (``Shard(0)``). The module
+    runs as written on the slice, with its slice's mean square; its output is then rescaled by
+    ``rsqrt(mean_global + eps) / rsqrt(mean_local + eps)``, the global mean square summed over the
+    TP ranks with an all-reduce whose backward sums too: the output, and the gradient of the input
+    and of each rank's weight slice, are the whole norm's. ``eps`` is the module's own
+    (``variance_epsilon`` or ``eps``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if not isinstance(eps, float):
+            raise ValueError(f"{type(module).__name__} has no float variance_epsilon or eps to rescale its norm by")
+        slots = _own_slots(module)
+        _distribute_parameters(slots, device_mesh, Shard(0))
+        params = _LocalDuringForward(slots)
+        group, ways = device_mesh.get_group(), device_mesh.size()
+
+        def rescale(mod: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+            params.restore()
+            x = args[0].float()
+            local = x.square().sum(-1, keepdim=True)
+            total = differentiable_all_reduce(local, group=group)  # its backward sums the gradients too
+            channels = x.shape[-1]
+            factor = torch.rsqrt(total / (channels * ways) + eps) / torch.rsqrt(local / channels + eps)
+            return output * factor.to(output.dtype)
+
+        module.register_forward_pre_hook(lambda mod, args: params.swap_in())
+        module.register_forward_hook(rescale)
+        return module
 
 
 def _hidden_states_slot(args: tuple, kwargs: dict) -> tuple[str, Any] | None:
