@@ -181,7 +181,8 @@ def mx_ep_run(dispatcher: str, record_params: bool = False):
 MATRIX_BATCHES = make_token_batches(vocab_size=256, global_batch=8, seq_len=16, steps=4, seed=0)
 
 
-def matrix_reference_run(kind: str, quantize: dict | None = None, model_kwargs: dict | None = None):
+def matrix_reference_run(kind: str, quantize: dict | None = None, model_kwargs: dict | None = None,
+                         lr: float = 1e-2):
     """The single-process reference; with ``quantize``, the emulated-MX model."""
     model = tiny_hf_causal_lm(kind, **(model_kwargs or {}))
     if quantize is not None:
@@ -189,12 +190,14 @@ def matrix_reference_run(kind: str, quantize: dict | None = None, model_kwargs: 
         from fsdp_turbo.quantization.converter import convert_model
 
         convert_model(model, QuantizeConfig(**quantize))
-    return train_steps(model, MATRIX_BATCHES, loss_fn=labelled_loss)
+    return train_steps(model, MATRIX_BATCHES, loss_fn=labelled_loss, lr=lr)
 
 
-def matrix_run(kind: str, config: dict, model_kwargs: dict | None = None) -> tuple[TrainRecord, dict]:
+def matrix_run(kind: str, config: dict, model_kwargs: dict | None = None,
+               record_params: bool = False, lr: float = 1e-2) -> tuple[TrainRecord, dict]:
     """One layout of the composition matrix, through the facade, on the data-parallel shards;
-    also what the memory features did (activations swapped out, optimizer states swapped in)."""
+    also what the memory features did (activations swapped out, optimizer states swapped in).
+    ``record_params``: the weights before each step (``replay_steps``)."""
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
     model = FSDPTurbo(config, tiny_hf_causal_lm(kind, **(model_kwargs or {})))
@@ -203,10 +206,10 @@ def matrix_run(kind: str, config: dict, model_kwargs: dict | None = None) -> tup
     optimizers = []
 
     def build(params):
-        optimizers.append(torch.optim.AdamW(params, lr=1e-2, foreach=False))
+        optimizers.append(torch.optim.AdamW(params, lr=lr, foreach=False))
         return optimizers[-1]
 
-    record = train_steps(model, local, loss_fn=labelled_loss, optimizer_factory=build)
+    record = train_steps(model, local, loss_fn=labelled_loss, optimizer_factory=build, record_params=record_params)
     return record, _memory_facts(model, optimizers[0])
 
 

@@ -61,12 +61,12 @@ for _dispatcher in DISPATCHERS:
     CASES[f"gpt_oss ep2 {_dispatcher} mxfp8"] = ("gpt_oss", {**_ep(_dispatcher), "quantization_plan": MX_PLAN})
 
 
-def reference_runs(kinds: list[str], cases: dict[str, tuple[str, dict]] | None = None) -> dict:
+def reference_runs(kinds: list[str]) -> dict:
     """The single-process references: each family in fp32, and emulated MX where a case uses it."""
     out = {}
     for kind in kinds:
         out[kind] = matrix_reference_run(kind)
-        if any(k == kind and "quantization_plan" in config for k, config in (cases or CASES).values()):
+        if any(k == kind and "quantization_plan" in config for k, config in CASES.values()):
             out[f"{kind} mx"] = matrix_reference_run(kind, MX_PLAN)
     return out
 

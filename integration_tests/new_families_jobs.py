@@ -5,21 +5,30 @@ dispatcher), TP, CP, recompute, the chunked loss and MXFP8, several layouts in o
 
 from __future__ import annotations
 
-from families_jobs import DISPATCHERS, MX_PLAN
-from families_jobs import reference_runs as _reference_runs
-from families_jobs import mx_converted  # noqa: F401 - the test module imports it from here
+import io
 
-from composed_jobs import matrix_run
+import torch
+from composed_jobs import MATRIX_BATCHES, labelled_loss, matrix_reference_run, matrix_run
+from families_jobs import DISPATCHERS, MX_PLAN
+
+from fsdp_turbo.core.testing import TrainRecord
+from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+from fsdp_turbo.core.testing.parity import replay_steps
+from fsdp_turbo.fsdp_turbo_config import QuantizeConfig
+from fsdp_turbo.quantization.converter import convert_model
 
 EXPERTS = {"llama4": ["*.feed_forward.experts"], "gemma4": ["*.experts"]}  # the others: *mlp.experts
-NORMS = {"llama4": ["*input_layernorm", "*post_attention_layernorm", "model.norm"],
-         "gemma4": ["*layernorm", "*_norm", "*.pre_feedforward_layernorm_2", "*.post_feedforward_layernorm_1",
-                    "*.post_feedforward_layernorm_2", "model.norm"]}
+# Sequence parallel's norms on the residual stream (Gemma 4's pre_feedforward_layernorm_2 acts on
+# flattened tokens [T, H]: TP keeps it on each rank's tokens, with its gradient summed, by itself).
+NORMS = {"gemma4": ["*input_layernorm", "*post_attention_layernorm", "*.pre_feedforward_layernorm",
+                    "*.post_feedforward_layernorm", "*.post_feedforward_layernorm_1", "*.post_feedforward_layernorm_2",
+                    "*.post_per_layer_input_norm", "model.norm"]}
 DEFAULT_NORMS = ["*input_layernorm", "*post_attention_layernorm", "model.norm"]
 # TP on the softmax attention: q/k/v colwise, o_proj rowwise, split by head (MLA: the up-projections)
 ATTENTION = {"colwise_parallel": ["*.self_attn.q_proj", "*.self_attn.k_proj", "*.self_attn.v_proj"],
              "rowwise_parallel": ["*.self_attn.o_proj"]}
-MLA = {"colwise_parallel": ["*.self_attn.q_b_proj", "*.self_attn.kv_b_proj"], "rowwise_parallel": ["*.self_attn.o_proj"]}
+MLA = {"colwise_parallel": ["*.self_attn.q_b_proj", "*.self_attn.kv_b_proj"],
+       "rowwise_parallel": ["*.self_attn.o_proj"]}
 MLA_NO_Q_LORA = {"colwise_parallel": ["*.self_attn.q_proj", "*.self_attn.kv_b_proj"],
                  "rowwise_parallel": ["*.self_attn.o_proj"]}
 TP_PLANS = {"kimi_linear": MLA_NO_Q_LORA, "deepseek_v32": MLA, "glm_moe_dsa": MLA}
@@ -69,10 +78,46 @@ for _kind in ("glm4_moe", "minimax_m2", "gemma4", "llama4"):
     CASES.update(family_cases(_kind))
 
 
+# Gemma 4 trains at a learning rate of 1e-3, not 1e-2: its norms after every sub-layer scale a
+# sub-layer's last-bit differences (a split sum's order) up to the residual stream's size, so
+# its first-step gradients differ by up to 1e-5 of their largest (other families: 1e-6), and at
+# 1e-2 AdamW turns that into visible updates where a gradient sits at its epsilon: the
+# trajectories part after two steps in every layout, FSDP=4 alone included. At 1e-3 they agree
+# to 1e-6 over the four steps.
+LR = {"gemma4": 1e-3}
+
+
 def reference_runs(kinds: list[str]) -> dict:
-    return _reference_runs(kinds, CASES)
+    """Each family's one-process reference, in float32 (MXFP8 cases are replayed instead)."""
+    return {kind: matrix_reference_run(kind, lr=LR.get(kind, 1e-2)) for kind in kinds}
+
+
+def is_mx(name: str) -> bool:
+    return "quantization_plan" in CASES[name][1]
 
 
 def families_run(names: list[str]) -> dict:
-    """Each named case in turn on these ranks (one launch for all): its train record."""
-    return {name: matrix_run(*CASES[name])[0] for name in names}
+    """Each named case in turn on these ranks (one launch for all): its train record; an MXFP8
+    case's also holds its weights before each step, for :func:`mx_replay_runs`."""
+    return {name: matrix_run(*CASES[name], record_params=is_mx(name), lr=LR.get(CASES[name][0], 1e-2))[0]
+            for name in names}
+
+
+def params_blob(records: dict[str, TrainRecord]) -> bytes:
+    """The MXFP8 cases' weights (one rank's record each), saved by ``torch.save``: as bytes they
+    reach a spawned process without a file descriptor per tensor."""
+    blob = io.BytesIO()
+    torch.save({name: record.params for name, record in records.items()}, blob)
+    return blob.getvalue()
+
+
+def mx_replay_runs(blob: bytes) -> dict[str, TrainRecord]:
+    """MXFP8 is compared step by step: the one-process emulated-MX model replays each step from
+    the case's own weights (``replay_steps``), so every step quantizes the same weights."""
+    out = {}
+    for name, params in torch.load(io.BytesIO(blob), weights_only=True).items():
+        kind, config = CASES[name]
+        model = tiny_hf_causal_lm(kind)
+        convert_model(model, QuantizeConfig(**config["quantization_plan"]))
+        out[name] = replay_steps(model, MATRIX_BATCHES, params, lr=LR.get(kind, 1e-2), loss_fn=labelled_loss)
+    return out

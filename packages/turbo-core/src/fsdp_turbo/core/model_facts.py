@@ -45,7 +45,7 @@ from fsdp_turbo.core.families.resolve import (
     routers,
 )
 from fsdp_turbo.core.forms import class_names
-from fsdp_turbo.core.patterns import match_modules
+from fsdp_turbo.core.patterns import match_modules, matches_any
 from fsdp_turbo.core.validation import ConfigSection, check_int, check_optional_patterns
 
 IGNORE_INDEX = -100
@@ -236,6 +236,8 @@ class ModelFacts:
     routers: tuple[str, ...] = ()
     indexers: tuple[str, ...] = ()  # modules picking a sparse attention's keys
     sizes: ModelSizes = field(default_factory=ModelSizes)
+    block_token_inputs: tuple[str, ...] = ()  # block arguments holding a value per token beside the hidden states
+    before_blocks: tuple[str, ...] = ()  # modules outside the blocks that run before them (on the whole sequence)
 
     def source(self, fact: str) -> str:
         return dict(self.sources).get(fact, "")
@@ -422,7 +424,15 @@ def resolve_model_facts(model: nn.Module, config: ModelFactsConfig | None = None
         heads_norms=heads_norms(model),
         routers=routers(model, config.router_modules),
         indexers=indexers(model),
-        sizes=model_sizes(model, len(blocks), heads, kv_heads))
+        sizes=model_sizes(model, len(blocks), heads, kv_heads),
+        block_token_inputs=family.block_token_inputs if family else (),
+        before_blocks=_before_blocks(model, family))
+
+
+def _before_blocks(model: nn.Module, family) -> tuple[str, ...]:
+    # A family's patterns name modules some of its models have (Gemma 4 without per-layer inputs has none)
+    patterns = family.before_blocks if family else ()
+    return tuple(name for name, _ in model.named_modules() if name and matches_any(name, patterns))
 
 
 def _family_source(configured: tuple[str, ...] | None, name: str) -> str:

@@ -147,6 +147,12 @@ class Family:
     """``config -> {size: value}`` for sizes a config does not hold under one name
     (overrides ``sizes``)."""
     patches: tuple[MemberPatch, ...] = ()
+    before_blocks: tuple[str, ...] = ()
+    """Patterns of modules outside the repeated blocks that run before them, on the whole
+    sequence (Gemma 4's per-layer input projection and norm), as the embedding does."""
+    block_token_inputs: tuple[str, ...] = ()
+    """Arguments of its repeated blocks that hold one value per token beside the hidden states
+    (Gemma 4's ``per_layer_input``): sequence parallel cuts them with the hidden states."""
     query_scales: Callable[[Any, Any], Any] | None = None
     """``(attention module, index [S]) -> scale [S] or None``: for a family whose attention
     scales its queries by a function of their index in the row (Llama 4's temperature tuning on

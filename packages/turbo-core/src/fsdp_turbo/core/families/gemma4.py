@@ -13,4 +13,6 @@ FAMILY = register_family(Family(
     name="gemma-4",
     model_types=("gemma4_text",),
     sizes=SizeNames(top_k=("top_k_experts",)),
+    block_token_inputs=("per_layer_input",),
+    before_blocks=("*.embed_tokens_per_layer", "*.per_layer_model_projection", "*.per_layer_projection_norm"),
 ))

@@ -69,12 +69,13 @@ TINY_MINIMAX_M2_DEFAULTS: dict[str, Any] = {"intermediate_size": 32, "num_local_
 # Gemma 4 (text), one tiny model with every part: sliding (window 4) and global layers, the global
 # ones with head dim 32 and keys doubling as values over 2 heads of their own; the last two layers
 # reuse the first two's keys and values; per-layer token inputs; MoE beside the dense MLP; final
-# logit soft-capping.
+# logit soft-capping. Four experts: with eight, its softmax router ties often enough after a step or two that
+# a last-bit difference (reduction order) flips a choice and the losses part by 1e-4.
 TINY_GEMMA4_DEFAULTS: dict[str, Any] = {
     "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 4,
     "global_head_dim": 32, "attention_k_eq_v": True, "num_global_key_value_heads": 2, "num_kv_shared_layers": 2,
     "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 256, "enable_moe_block": True,
-    "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 32, "final_logit_softcapping": 30.0,
+    "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32, "final_logit_softcapping": 30.0,
     "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1,
 }
 # Llama 4 (text): chunked attention (chunk 8 of 16 tokens) in layers 0-2, a NoPE full layer 3

@@ -28,6 +28,7 @@ from fsdp_turbo.distributed.tensor_parallel.lora import (
 )
 from fsdp_turbo.distributed.tensor_parallel.styles import (
     SEQUENCE_DIM,
+    CutTokenInputs,
     FrozenKeepingSequenceParallel,
     HeadLocalParallel,
     HeadsNormParallel,
@@ -54,6 +55,7 @@ class StyleKind(StrEnum):
     HEAD_LOCAL = "head_local"  # acts per head on head-sharded activations (Qwen3's q_norm)
     HEADS_NORM = "heads_norm"  # an RMS norm over every head's channels (MiniMax-M2's q_norm): its statistic summed
     SCATTER_SEQUENCE = "scatter_sequence"  # the first block: the entry into the sequence region
+    CUT_TOKEN_INPUTS = "cut_token_inputs"  # the other blocks: their per-token inputs cut (Gemma 4's per_layer_input)
     GATHER_REPLICATE = "gather_replicate"  # an unsharded output head after sequence parallel
     REPLICATE = "replicate"  # outside the plan: replicated parameters, local compute
     REPLICATE_SEQUENCE_LOCAL = "replicate_sequence_local"  # ditto, seeing this rank's tokens only
@@ -76,6 +78,7 @@ class StyleChoice:
     gather_output: bool = False  # colwise output head without loss parallel: whole-vocabulary logits
     head_parameters: tuple[tuple[str, int], ...] = ()  # prepare_input: own per-head parameters -> their head dim
     shared_tail: int = 0  # replicate_prepared: the last outputs every head reads, their gradient summed over TP
+    token_inputs: tuple[str, ...] = ()  # scatter_sequence / cut_token_inputs: block arguments cut to the rank's tokens
 
 
 def build_style(choice: StyleChoice) -> ParallelStyle:
@@ -100,7 +103,8 @@ def build_style(choice: StyleChoice) -> ParallelStyle:
                                                              head_parameters=choice.head_parameters),
         StyleKind.HEAD_LOCAL: HeadLocalParallel,
         StyleKind.HEADS_NORM: HeadsNormParallel,
-        StyleKind.SCATTER_SEQUENCE: ScatterSequence,
+        StyleKind.SCATTER_SEQUENCE: lambda: ScatterSequence(choice.token_inputs),
+        StyleKind.CUT_TOKEN_INPUTS: lambda: CutTokenInputs(choice.token_inputs),
         StyleKind.GATHER_REPLICATE: lambda: ReplicateParallel(gather_sequence=True),
         StyleKind.REPLICATE: ReplicateParallel,
         StyleKind.REPLICATE_SEQUENCE_LOCAL: lambda: ReplicateParallel(sum_grads=True),
@@ -361,9 +365,10 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
         styles[name] = StyleChoice(StyleKind.HEADS_NORM)
     for name, known in latent.items():
         styles[name] = _latent_choice(model, name, known)
-    whole = [*linear, *_whole_modules(model, styles, set(colwise) | set(rowwise), keep)]
+    _refuse_splits_beside_own_parameters(model, styles, set(colwise) | set(rowwise), keep)
+    whole = list(linear)
     if sp:
-        styles.update(_sequence_region_styles(model, plan, blocks, styles, whole, head_name, colwise))
+        styles.update(_sequence_region_styles(model, plan, blocks, styles, whole, facts, colwise))
 
     # Inside the sequence region, a leftover module not behind a prepared (gathered) input
     # sees only this rank's tokens: an MoE router or its experts.
@@ -390,16 +395,20 @@ def _hook_parents(model: nn.Module, colwise: dict[str, nn.Module], block_names: 
 
 
 def _sequence_region_styles(model: nn.Module, plan: TPPlanConfig, blocks: dict, styles: dict[str, StyleChoice],
-                            whole: list[str], head_name: str | None,
+                            whole: list[str], facts: ModelFacts,
                             colwise: dict[str, nn.Module]) -> dict[str, StyleChoice]:
     """Sequence parallel's entry (the first block cuts the sequence) and exit (an output head
     left whole gathers it), once every norm on the sequence-sharded path is known to be planned."""
-    _check_sequence_region(model, plan, blocks, set(styles), whole)
+    _check_sequence_region(model, plan, blocks, set(styles), whole, facts.before_blocks)
+    head_name = facts.head
     if head_name is None:
         raise ConfigError("tp_plan.sequence_parallel", list(plan.sequence_parallel),
                           "name the output head in model_facts.head_module (sequence parallel gathers before it)",
                           reason="the model has no get_output_embeddings() to find it by")
-    added = {next(iter(blocks)): StyleChoice(StyleKind.SCATTER_SEQUENCE)}
+    first, *rest = blocks
+    inputs = facts.block_token_inputs
+    added = {first: StyleChoice(StyleKind.SCATTER_SEQUENCE, token_inputs=inputs)}
+    added.update({name: StyleChoice(StyleKind.CUT_TOKEN_INPUTS, token_inputs=inputs) for name in rest if inputs})
     if head_name not in colwise:
         added[head_name] = StyleChoice(StyleKind.GATHER_REPLICATE)
     return added
@@ -534,18 +543,17 @@ def _inside(name: str, holders: Collection[str]) -> bool:
     return any(name.startswith(holder + ".") for holder in holders)
 
 
-def _whole_modules(model: nn.Module, styles: dict[str, StyleChoice], sharded: set[str],
-                   keep: Callable[[str, nn.Module], bool]) -> list[str]:
-    """The outermost modules that hold parameters themselves beside sub-modules with
-    parameters (Qwen3-Next's Gated DeltaNet: ``A_log``, ``dt_bias`` beside its projections),
-    left out of the plan: each is kept whole (``WholeModuleParallel``). If the plan splits or
-    styles anything inside one, the module's own parameters would be read whole beside split
-    children: refused, by name."""
-    whole: list[str] = []
+def _refuse_splits_beside_own_parameters(model: nn.Module, styles: dict[str, StyleChoice], sharded: set[str],
+                                         keep: Callable[[str, nn.Module], bool]) -> None:
+    """A module left out of the plan that holds parameters itself beside sub-modules with
+    parameters (a router's scale beside its projection) is replicated, each part on its own.
+    If the plan splits or styles anything inside one, the module's own parameters would be read
+    whole beside split children: refused, by name. (The model facts' linear-attention layers,
+    which must also see the whole sequence, are kept whole: ``WholeModuleParallel``.)"""
     touched = set(styles) | sharded
     for name, module in model.named_modules():
-        if (not name or not keep(name, module) or name in touched or _inside(name, whole)
-                or not _own_params(module) or not _children_own_params(module)):
+        if (not name or not keep(name, module) or name in touched or not _own_params(module)
+                or not _children_own_params(module)):
             continue
         inside = sorted(n for n in touched if n.startswith(name + "."))
         if inside:
@@ -553,19 +561,22 @@ def _whole_modules(model: nn.Module, styles: dict[str, StyleChoice], sharded: se
             raise ConfigError("tp_plan", inside[0], f"leave {name}'s sub-modules out of tp_plan (TP keeps it whole)",
                               reason=f"{name} owns parameters ({own}) beside its sub-modules, which TP cannot "
                                      "split with them")
-        whole.append(name)
-    return whole
 
 
 def _check_sequence_region(model: nn.Module, plan: TPPlanConfig, blocks: dict, styled: set[str],
-                           whole: Collection[str]) -> None:
+                           whole: Collection[str], before_blocks: Collection[str]) -> None:
     if not blocks:
         raise ConfigError("tp_plan.sequence_parallel", list(plan.sequence_parallel),
                           "sequence parallel needs a model with a repeated block list (e.g. decoder layers)")
-    # a module kept whole computes its norms on the gathered sequence
+    # Inside the blocks a norm left out of the plan computes on this rank's tokens with its
+    # gradient summed over TP (replicate_sequence_local), as a sequence-parallel one would; a
+    # module kept whole computes its norms on the gathered sequence; a norm without parameters
+    # acts on each token alone. Outside the blocks, a norm after them (the final one) must be
+    # planned, one the facts say runs before them sees the whole sequence.
     missing = [name for name, module in model.named_modules()
                if name and "norm" in type(module).__name__.lower() and name not in styled and name not in whole
-               and not _inside(name, whole)]
+               and not _inside(name, whole) and _own_params(module) and name not in before_blocks
+               and not _inside(name, blocks)]
     if missing:
         raise ConfigError("tp_plan.sequence_parallel", list(plan.sequence_parallel),
                           f"add every norm on the sequence-sharded path, e.g. {missing[:4]}",

@@ -30,6 +30,7 @@
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any
 
@@ -340,29 +341,68 @@ class PrepareHiddenStates(_HiddenStatesHook):
         return DTensor.from_local(hidden, mesh, [self.layout], run_check=False).redistribute(mesh, [Replicate()])
 
 
-class ScatterSequence(_HiddenStatesHook):
-    """Full (replicated) hidden states -> this rank's local sequence slice.
-
-    Idempotent: activation recompute re-runs the block with the inputs it saved, which
-    are already this hook's output, and those must not be cut again.
-    """
+class _SequenceCutter:
+    """Cuts whole-sequence tensors to this rank's slice, once: activation recompute re-runs a
+    block with the inputs it saved, which are already cut and must not be cut again."""
 
     def __init__(self) -> None:
         # id -> weak reference; tensors compare by value, so no WeakSet.
         self._produced: dict[int, weakref.ref] = {}
 
-    def _convert(self, hidden: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        seen = self._produced.get(id(hidden))
-        if seen is not None and seen() is hidden:
-            return hidden
-        length, ways = hidden.shape[SEQUENCE_DIM], mesh.size()
+    def cut(self, whole: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        seen = self._produced.get(id(whole))
+        if seen is not None and seen() is whole:
+            return whole
+        length, ways = whole.shape[SEQUENCE_DIM], mesh.size()
         if length % ways:
             raise ValueError(f"sequence parallel needs the sequence length ({length}) to be a multiple of the "
                              f"tensor-parallel size ({ways}); pad the batch")
-        local = _cut_sequence(hidden, mesh)
+        local = _cut_sequence(whole, mesh)
         key = id(local)
         self._produced[key] = weakref.ref(local, lambda _, key=key: self._produced.pop(key, None))
         return local
+
+
+class CutTokenInputs(ParallelStyle):
+    """Arguments of a block that hold one value per token beside the hidden states (the model
+    facts' ``block_token_inputs``: Gemma 4's ``per_layer_input``), computed for the whole
+    sequence before the blocks: inside the sequence-parallel region each is cut to this rank's
+    slice, as the hidden states are."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self._cutter = _SequenceCutter()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        signature = inspect.signature(module.forward)
+
+        def hook(mod: nn.Module, args: tuple, kwargs: dict):
+            bound = signature.bind_partial(*args, **kwargs)
+            for name in self.names:
+                value = bound.arguments.get(name)
+                if isinstance(value, torch.Tensor):
+                    bound.arguments[name] = self._cutter.cut(value, device_mesh)
+            return bound.args, bound.kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class ScatterSequence(_HiddenStatesHook):
+    """Full (replicated) hidden states -> this rank's local sequence slice (and so the block's
+    ``token_inputs``, see :class:`CutTokenInputs`). Idempotent, as :class:`_SequenceCutter` is."""
+
+    def __init__(self, token_inputs: tuple[str, ...] = ()) -> None:
+        self._cutter = _SequenceCutter()
+        self.token_inputs = token_inputs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.token_inputs:
+            CutTokenInputs(self.token_inputs)._apply(module, device_mesh)
+        return super()._apply(module, device_mesh)
+
+    def _convert(self, hidden: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        return self._cutter.cut(hidden, mesh)
 
 
 class WholeModuleParallel(ParallelStyle):
