@@ -435,5 +435,16 @@ def _before_blocks(model: nn.Module, family) -> tuple[str, ...]:
     return tuple(name for name, _ in model.named_modules() if name and matches_any(name, patterns))
 
 
+def plain_api_facts(model: nn.Module, config: ModelFactsConfig | None = None) -> ModelFacts:
+    """The facts a plain API (used without the facade: ``convert_model``, ``apply_expert_parallel``,
+    ``apply_context_parallel``, ``install_chunked_loss``) works from: the families' member patches
+    applied first, as the facade applies them (Llama 4's experts are only recognised with them),
+    then :func:`resolve_model_facts`."""
+    from fsdp_turbo.core.module_patches import apply_module_patches
+
+    apply_module_patches(model, ())
+    return resolve_model_facts(model, config)
+
+
 def _family_source(configured: tuple[str, ...] | None, name: str) -> str:
     return f"families and configured: model_facts.{name}" if configured else "detected: families"

@@ -3,7 +3,9 @@ read by the attention wrapper."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,8 @@ class LayerSpec:
     window: int | None = None
     chunk: int | None = None
     head_parameters: tuple[str, ...] = ()
+    # the family's query scale by row index (Llama 4's temperature), if the module's queries get one
+    query_scale: Callable[..., Any] | None = None
 
 
 @dataclass
@@ -31,8 +35,29 @@ class ForwardContext:
     linear_calls: int = 0  # how many linear-attention layers ran through theirs
     # ring / hybrid: the global positions (in the padded sequence) of each ring member's tokens
     ring_positions: list[torch.Tensor] | None = None
-    # per window (None: full causal), per source rank, its Tiles: built by the first layer of each, reused
+    # per (window, chunk) (None, None: full causal), per source rank, its Tiles: built by the first
+    # layer of each, reused
     ring_tiles: dict = field(default_factory=dict)
+    positions: torch.Tensor | None = None  # [B, seq_len] the position values (position_ids, padding continuing them)
+    my_positions: torch.Tensor | None = None  # [seq_len / cp] this rank's tokens' indices in the padded rows
+    _chunks: dict = field(default_factory=dict)
+
+    def chunk_ids(self, chunk: int) -> torch.Tensor:
+        """Each token's block of ``chunk`` positions, ``[B or 1, seq_len]``, as transformers' chunked
+        mask counts them: in packed rows by the token's own position (blocks restart with each
+        document), else by its index in the row less the row's left padding."""
+        if chunk not in self._chunks:
+            if self.documents is not None and self.positions is not None:
+                ids = self.positions // chunk
+            else:
+                index = torch.arange(self.seq_len)
+                if self.padding_mask is not None:
+                    lead = (~self.padding_mask).long().cumprod(dim=1).sum(dim=1, keepdim=True)  # left padding per row
+                    ids = (index[None] - lead.to(index.device)) // chunk
+                else:
+                    ids = (index // chunk)[None]
+            self._chunks[chunk] = ids
+        return self._chunks[chunk]
 
 
 @dataclass
@@ -66,9 +91,10 @@ class CPState:
     proven: bool = False  # the first forward ran the wrapper in every attention layer
 
     def spec(self, module):
-        """The plan's ``LayerSpec`` of an attention module (an empty one for a module the model
-        facts do not list: a non-HF core attention, whose call says what it needs)."""
-        return self.layers.get(module) or LayerSpec("")
+        """The plan's ``LayerSpec`` of an attention module, or of the module a heads view stands
+        for (an empty one for a module the model facts do not list: a non-HF core attention,
+        whose call says what it needs)."""
+        return self.layers.get(getattr(module, "_module", module)) or LayerSpec("")
 
     @property
     def ulysses_rank(self) -> int:

@@ -107,7 +107,8 @@ def split_inputs(state: CPState, kwargs: dict[str, Any], names: InputNames = Inp
         positions = torch.arange(seq_len, device=tokens.device).expand(batch, seq_len)
     # Padding continues the positions, so RoPE stays defined there.
     tail = positions[:, -1:] + torch.arange(1, extra + 1, device=positions.device)
-    out[names.positions] = torch.cat([positions, tail], dim=1)[:, local] if extra else positions[:, local]
+    whole_positions = torch.cat([positions, tail], dim=1) if extra else positions
+    out[names.positions] = whole_positions[:, local]
     labels, shifted = kwargs.get("labels"), kwargs.get("shift_labels")
     if labels is not None or shifted is not None:
         shifted = shift_labels(labels, names.ignore_index) if shifted is None else shifted
@@ -128,7 +129,8 @@ def split_inputs(state: CPState, kwargs: dict[str, Any], names: InputNames = Inp
         padding = None if bool(padding[:, :seq_len].all()) else padding
         out["attention_mask"] = None  # the wrapper builds the full-sequence mask itself
     state.current = ForwardContext(full, padding, packed_documents(kwargs.get(names.positions), extra),
-                                   ring_positions=members if state.mode != "ulysses" else None)
+                                   ring_positions=members if state.mode != "ulysses" else None,
+                                   positions=whole_positions, my_positions=local)
     return out
 
 

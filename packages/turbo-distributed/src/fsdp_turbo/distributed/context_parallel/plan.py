@@ -114,7 +114,7 @@ def layer_specs(facts: ModelFacts) -> tuple[LayerSpec, ...]:
     """The model facts' softmax attentions (full, sliding and chunked), each with its mask's
     window or chunk and its per-head parameters."""
     return tuple(LayerSpec(layer.name, layer.index, layer.window, layer.chunk,
-                           tuple(p.parameter for p in facts.head_parameters_of(layer.name)))
+                           tuple(p.parameter for p in facts.head_parameters_of(layer.name)), layer.query_scale)
                  for layer in facts.attention_layers if layer.kind in ("softmax", "sliding", "chunked"))
 
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.ops import call_op
+from fsdp_turbo.distributed.context_parallel.layer_masks import rescale_queries
 from fsdp_turbo.distributed.context_parallel.ring_kernels import BACKWARD, FORWARD
 from fsdp_turbo.distributed.context_parallel.ring_math import merge, sink_grad, visible
 
@@ -190,24 +191,30 @@ def _ends(positions: torch.Tensor, run: slice) -> tuple[int, int]:
     return int(positions[run][0]), int(positions[run][-1])
 
 
-def _unseen(q_ends: tuple[int, int], k_ends: tuple[int, int], window: int | None) -> bool:
+def _unseen(q_ends: tuple[int, int], k_ends: tuple[int, int], window: int | None, chunk: int | None = None) -> bool:
     """No query of the run sees any key of the other: every key comes later, or (a sliding
-    window) every key lies ``window`` or more positions before every query."""
+    window) every key lies ``window`` or more positions before every query, or (a chunked
+    layer whose blocks follow the positions: no packing or padding) every key lies in an
+    earlier block than every query."""
     (q_first, q_last), (k_first, k_last) = q_ends, k_ends
-    return k_first > q_last or (window is not None and q_first - k_last >= window)
+    return (k_first > q_last or (window is not None and q_first - k_last >= window)
+            or (chunk is not None and k_last // chunk < q_first // chunk))
 
 
 def _tile(q_run: slice, k_run: slice, mine: torch.Tensor, theirs: torch.Tensor, context,
-          device: torch.device, window: int | None = None) -> Tile | None:
+          device: torch.device, window: int | None = None, chunk: int | None = None) -> Tile | None:
     """How the queries of run ``q_run`` see the keys of run ``k_run``: None (not at all), or
     a Tile. Without documents or padding it is decided from the runs' ends alone, so no
     ``[S, S]`` mask is built for the whole chunk (at 16k tokens a ring member's would be
-    64 MiB); otherwise from this tile's own mask. ``window``: a sliding-window layer's."""
+    64 MiB); otherwise from this tile's own mask. ``window``: a sliding-window layer's;
+    ``chunk``: a chunked layer's block length."""
     (q_first, q_last), (k_first, k_last) = q_ends, k_ends = _ends(mine, q_run), _ends(theirs, k_run)
-    if _unseen(q_ends, k_ends, window):
+    plain = context.documents is None and context.padding_mask is None
+    if _unseen(q_ends, k_ends, window, chunk if plain else None):
         return None
     inside = window is None or q_last - k_first < window  # no pair of the runs is out of the window
-    if context.documents is None and context.padding_mask is None and inside:
+    one_block = chunk is None or k_first // chunk == q_last // chunk  # every pair in one block
+    if plain and inside and one_block:
         if k_last <= q_first:
             return Tile(q_run, k_run, None)
         if (q_first, q_last) == (k_first, k_last):
@@ -216,6 +223,9 @@ def _tile(q_run: slice, k_run: slice, mine: torch.Tensor, theirs: torch.Tensor, 
     documents = None if context.documents is None else context.documents.to(device)
     docs = (documents[:, q_pos], documents[:, k_pos]) if documents is not None else (None, None)
     allowed = visible(q_pos, k_pos, *docs, window=window)
+    if chunk is not None:
+        blocks = context.chunk_ids(chunk).to(device)
+        allowed = allowed & (blocks[:, q_pos][:, None, :, None] == blocks[:, k_pos][:, None, None, :])
     if context.padding_mask is not None:
         allowed = allowed & context.padding_mask.to(device)[:, k_pos][:, None, None, :]
     if not bool(allowed.any()):
@@ -253,7 +263,8 @@ def _join_full_tiles(tiles: list[Tile]) -> list[Tile]:
     return tiles
 
 
-def ring_tiles(context, rank: int, device: torch.device, window: int | None = None) -> list[list[Tile]]:
+def ring_tiles(context, rank: int, device: torch.device, window: int | None = None,
+               chunk: int | None = None) -> list[list[Tile]]:
     """This rank's queries against every rank's keys, as tiles between runs of consecutive
     positions: causal by global position, within each packed document and the sliding
     window, never onto padding. A tile nothing sees is left out (zig-zag's saving, and a
@@ -262,25 +273,26 @@ def ring_tiles(context, rank: int, device: torch.device, window: int | None = No
     mine = positions[rank]
     blocks = []
     for theirs in positions:
-        tiles = (_tile(q_run, k_run, mine, theirs, context, device, window)
+        tiles = (_tile(q_run, k_run, mine, theirs, context, device, window, chunk)
                  for q_run in _runs(mine) for k_run in _runs(theirs))
         blocks.append(_join_full_tiles([tile for tile in tiles if tile is not None]))
     return blocks
 
 
-def ring_steps(positions: list[torch.Tensor], window: int | None) -> int:
+def ring_steps(positions: list[torch.Tensor], window: int | None, chunk: int | None = None) -> int:
     """How many ring steps a layer needs (the same on every rank: it reads every member's
     positions): one past the last step at which some rank's queries can see the chunk it
-    then holds (by position and window; documents and padding only hide more). Causal
-    attention needs every step; a window shorter than the chunks, with contiguous chunks,
-    only the previous rank's: the K/V stop travelling there, and so do their gradients."""
-    if window is None:
+    then holds (by position, window and blocks; documents and padding only hide more, so the
+    caller passes ``chunk`` only where blocks follow the positions). Causal attention needs
+    every step; a window or blocks shorter than the chunks, with contiguous chunks, only the
+    previous rank's: the K/V stop travelling there, and so do their gradients."""
+    if window is None and chunk is None:
         return len(positions)
     runs = [[_ends(p, run) for run in _runs(p)] for p in positions]
     size = len(positions)
 
     def seen(step: int) -> bool:
-        return any(not _unseen(q, k, window) for rank in range(size)
+        return any(not _unseen(q, k, window, chunk) for rank in range(size)
                    for q in runs[rank] for k in runs[(rank - step) % size])
 
     return 1 + max(step for step in range(size) if seen(step))
@@ -305,11 +317,13 @@ def ring_core(state) -> Any:
         if kwargs.get("softcap") is not None:
             raise ConfigError("cp_plan.mode", state.mode, "use mode 'ulysses' for this model",
                               reason="ring attention does not soft-cap its logits (softcap)")
-        window, sinks = kwargs.get("sliding_window") or state.spec(module).window, kwargs.get("s_aux")
-        if window not in context.ring_tiles:  # the first layer of each window kind builds them
-            context.ring_tiles[window] = (ring_tiles(context, state.ring_rank, query.device, window),
-                                          ring_steps(context.ring_positions, window))
-        tiles, steps = context.ring_tiles[window]
+        spec = state.spec(module)
+        window, chunk, sinks = kwargs.get("sliding_window") or spec.window, spec.chunk, kwargs.get("s_aux")
+        if (window, chunk) not in context.ring_tiles:  # the first layer of each mask kind builds them
+            plain = context.documents is None and context.padding_mask is None
+            context.ring_tiles[window, chunk] = (ring_tiles(context, state.ring_rank, query.device, window, chunk),
+                                                 ring_steps(context.ring_positions, window, chunk if plain else None))
+        tiles, steps = context.ring_tiles[window, chunk]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         # fp32 blocks: the merge and the recomputed backward are exact to rounding
         out = ring_attention(query.float(), key.float(), value.float(), scale, tiles, state.ring_group,
@@ -327,6 +341,7 @@ def ring_hf_attention(state) -> Any:
     def attention(module, query, key, value, attention_mask, **kwargs):
         if state.current is not None:
             state.current.attention_calls += 1
+            query = rescale_queries(state.spec(module), module, query, state.current)
         return core(module, query, key, value, attention_mask, **kwargs)
 
     return attention

@@ -13,7 +13,7 @@ from torch import nn
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.hf import register_attention_function
 from fsdp_turbo.core.logging import get_logger
-from fsdp_turbo.core.model_facts import ModelFacts, resolve_model_facts
+from fsdp_turbo.core.model_facts import ModelFacts, plain_api_facts
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Plans, Stage, Transform
 from fsdp_turbo.distributed.context_parallel.context import CPState
@@ -141,10 +141,22 @@ def plan_context_parallel(model: nn.Module, plan: CPPlanConfig | None, size: int
     target = resolve_cp_target(model, plan, facts)
     # the wrapper knows an HF attention's module by the call (its first argument)
     layers = layer_specs(facts) if target.hf_implementation else ()
+    _refuse_chunks_under_flash(layers, target, plan.mode)
     return CPPlan(size, target, len(layers) or _attention_layers(target, facts, linear), mode=plan.mode,
                   load_balance=plan.load_balance, ulysses_size=plan.ulysses_size or 0,
                   inputs=InputNames(facts.token_input, facts.position_input, facts.ignore_index), linear_layers=linear,
                   layers=layers)
+
+
+def _refuse_chunks_under_flash(layers: tuple, target: CPTarget, mode: str) -> None:
+    """A flash kernel takes a window but no mask, so Ulysses could not keep a chunked layer's
+    queries inside their blocks (the ring computes its own tiles and can)."""
+    chunked = [spec for spec in layers if spec.chunk]
+    if chunked and mode != "ring" and (target.hf_implementation or "").startswith("flash"):
+        raise ConfigError("model.config._attn_implementation", target.hf_implementation,
+                          "load the model with attn_implementation 'sdpa' (or 'eager'), or use cp_plan.mode: ring",
+                          reason=f"{chunked[0].name} attends within blocks of {chunked[0].chunk} positions, which "
+                                 "a flash kernel under Ulysses cannot mask")
 
 
 def _check_linear_attention(model: nn.Module, linear: tuple[LinearAttentionLayer, ...], size: int, tp: int) -> None:
@@ -176,7 +188,7 @@ def apply_context_parallel(model: nn.Module, plan: CPPlanConfig | None, cp_mesh,
     """Context parallel without the facade: resolve ``plan`` on ``model``, then install.
     ``facts`` default to what the model says of itself. Hybrid needs ``cp_mesh`` to span the
     world (its sub-groups are made from it)."""
-    facts = facts if facts is not None else resolve_model_facts(model)
+    facts = facts if facts is not None else plain_api_facts(model)
     resolved = plan_context_parallel(model, plan, cp_mesh.size(), facts)
     groups = None
     if resolved.mode == "hybrid":

@@ -6,7 +6,7 @@ from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.logging import get_logger
-from fsdp_turbo.core.model_facts import ModelFacts, resolve_model_facts
+from fsdp_turbo.core.model_facts import ModelFacts, plain_api_facts
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import Plans, Stage, Transform
 from fsdp_turbo.distributed.expert_parallel.dispatchers import ExpertGroup
@@ -34,7 +34,7 @@ def apply_expert_parallel(model: nn.Module, plan: EPPlanConfig, ep_mesh,
                           facts: ModelFacts | None = None) -> dict[str, nn.Module]:
     """Expert parallel without the facade: resolve ``plan`` on ``model``, then convert.
     ``facts`` default to what the model says of itself."""
-    facts = facts if facts is not None else resolve_model_facts(model)
+    facts = facts if facts is not None else plain_api_facts(model)
     return apply_ep_plan(model, resolve_ep_plan(model, plan, ep_mesh.size(), facts), ep_mesh)
 
 

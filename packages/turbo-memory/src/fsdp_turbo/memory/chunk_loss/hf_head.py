@@ -22,7 +22,7 @@ from torch import nn
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.lm_loss import pending_loss_request
 from fsdp_turbo.core.logging import get_logger, warn_once
-from fsdp_turbo.core.model_facts import IGNORE_INDEX, ModelFacts, resolve_model_facts
+from fsdp_turbo.core.model_facts import IGNORE_INDEX, ModelFacts, plain_api_facts
 from fsdp_turbo.memory.chunk_loss.function import chunked_cross_entropy
 from fsdp_turbo.memory.chunk_loss.vocab_shard import empty_logits, local_head, local_hidden
 
@@ -206,5 +206,5 @@ def install_chunked_loss(model: nn.Module, facts: ModelFacts | None = None, **op
     facade, ``facts`` default to what the model says of itself (give
     ``resolve_model_facts(model, ModelFactsConfig(head_module=...))`` for other models);
     ``options`` are :func:`plan_chunked_loss`'s."""
-    head, settings = plan_chunked_loss(model, facts if facts is not None else resolve_model_facts(model), **options)
+    head, settings = plan_chunked_loss(model, facts if facts is not None else plain_api_facts(model), **options)
     return ChunkedLossHandle(model, model.get_submodule(head), settings)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.core.model_facts import ModelFacts, resolve_model_facts
+from fsdp_turbo.core.model_facts import ModelFacts, plain_api_facts
 from fsdp_turbo.core.model_inspect import is_tuner_layer
 from fsdp_turbo.core.patterns import match_modules
 from fsdp_turbo.quantization.converter.registry import Converter, converter_names, get_converter
@@ -172,6 +172,6 @@ def convert_model(model: nn.Module, plan, facts: ModelFacts | None = None, *,
                   unsuitable: Mapping[str, str] | None = None) -> dict[str, str]:
     """Convert in place what ``plan`` (a ``QuantizeConfig``) picks; returns ``{module name: converter name}``.
     Without the facade, ``facts`` default to what the model says of itself."""
-    facts = facts if facts is not None else resolve_model_facts(model)
+    facts = facts if facts is not None else plain_api_facts(model)
     conversions, _ = plan_conversion(model, plan, facts, unsuitable=unsuitable)
     return apply_conversions(model, conversions, MXRecipe.from_config(plan))
