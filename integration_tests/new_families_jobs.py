@@ -76,6 +76,8 @@ def family_cases(kind: str, *, moe: bool = True, cp_modes: tuple[str, ...] = ("u
 CASES: dict[str, tuple[str, dict]] = {}
 for _kind in ("glm4_moe", "minimax_m2", "gemma4", "llama4"):
     CASES.update(family_cases(_kind))
+# KDA carries a state along the sequence: Ulysses only (a ring is refused by name)
+CASES.update(family_cases("kimi_linear", cp_modes=("ulysses",)))
 
 
 # Gemma 4 trains at a learning rate of 1e-3, not 1e-2: its norms after every sub-layer scale a

@@ -15,6 +15,7 @@ from fsdp_turbo.core.families import (  # noqa: F401 - the built-in families reg
     gemma4,
     glm4_moe,
     gpt_oss,
+    kimi_linear,
     llama4,
     minimax_m2,
     qwen3_5,

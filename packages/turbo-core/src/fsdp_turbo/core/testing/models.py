@@ -86,11 +86,11 @@ TINY_LLAMA4_DEFAULTS: dict[str, Any] = {
     "attention_chunk_size": 8, "floor_scale": 4, "attn_scale": 0.1, "pad_token_id": 0, "bos_token_id": 1,
     "eos_token_id": 2,
 }
-# Kimi Linear: KDA linear attention in layers 0, 2, MLA (no rotary; value heads 16 wide, query/key
-# heads 24) in 1, 3; a dense first layer, then MoE with a shared expert.
+# Kimi Linear: KDA linear attention in layer 0, MLA (no rotary; value heads 16 wide, query/key
+# heads 24) in layer 1; a dense first layer, then MoE with a shared expert.
 TINY_KIMI_LINEAR_DEFAULTS: dict[str, Any] = {
-    "num_hidden_layers": 4, "num_key_value_heads": 4, "moe_intermediate_size": 32,
-    "layer_types": ["linear_attention", "full_attention"] * 2, "mlp_layer_types": ["dense"] + ["sparse"] * 3,
+    "num_hidden_layers": 2, "num_key_value_heads": 4, "moe_intermediate_size": 32,
+    "layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"],
     "kv_lora_rank": 16, "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
     "linear_num_heads": 4, "linear_head_dim": 16, "linear_conv_kernel_dim": 4, "num_local_experts": 8,
     "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "n_shared_experts": 1, "pad_token_id": 0,

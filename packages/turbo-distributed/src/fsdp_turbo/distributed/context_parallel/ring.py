@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812 - the torch idiom
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.ops import call_op
@@ -325,10 +326,15 @@ def ring_core(state) -> Any:
                                                  ring_steps(context.ring_positions, window, chunk if plain else None))
         tiles, steps = context.ring_tiles[window, chunk]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        # Values of another width than queries and keys (MLA's) are padded with zeros, which
+        # change no score and no output column: the block kernels take one head size.
+        value_width = value.shape[-1]
+        width = max(query.shape[-1], value_width)
+        query, key, value = (F.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
         # fp32 blocks: the merge and the recomputed backward are exact to rounding
         out = ring_attention(query.float(), key.float(), value.float(), scale, tiles, state.ring_group,
                              sinks=None if sinks is None else sinks.float(), steps=steps)
-        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+        return out[..., :value_width].to(query.dtype).transpose(1, 2).contiguous(), None
 
     return attention
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
@@ -118,13 +119,18 @@ def ulysses_hf_attention(state: CPState, inner: str, core: Callable[..., Any] | 
         query = rescale_queries(spec, module, query, context)
         cp, group = state.ulysses_size, state.ulysses_group
         kv_heads = replicated_kv_heads(key.shape[1], cp)
+        # One all-to-all for Q, K and V: split [q heads | k heads | v heads] per rank group. Values
+        # of another width than queries and keys (MLA's) are padded with zeros to travel with them.
+        qk_width, value_width = query.shape[-1], value.shape[-1]
+        width = max(qk_width, value_width)
+        query, key, value = (F.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
         qkv = torch.cat([query, replicate_kv(key, kv_heads), replicate_kv(value, kv_heads)], dim=1)
-        # One all-to-all for Q, K and V: split [q heads | k heads | v heads] per rank group.
         heads = query.shape[1]
         parts = [heads // cp, kv_heads // cp, kv_heads // cp]
         per_rank = torch.cat([t.unflatten(1, (cp, -1)) for t in qkv.split([heads, kv_heads, kv_heads], 1)], 2)
         gathered = sequence_to_heads(per_rank.flatten(1, 2), group, cp)
         q, k, v = gathered.split(parts, dim=1)
+        q, k, v = q[..., :qk_width], k[..., :qk_width], v[..., :value_width]
         # this rank now holds query heads [rank * heads/cp, (rank + 1) * heads/cp) of the whole sequence
         mine = slice(state.ulysses_rank * parts[0], (state.ulysses_rank + 1) * parts[0])
         view, kwargs = heads_view(module, heads // kv_heads, mine, kwargs, spec.head_parameters)
