@@ -78,6 +78,15 @@ for _kind in ("glm4_moe", "minimax_m2", "gemma4", "llama4"):
     CASES.update(family_cases(_kind))
 # KDA carries a state along the sequence: Ulysses only (a ring is refused by name)
 CASES.update(family_cases("kimi_linear", cp_modes=("ulysses",)))
+# Values narrower than queries and keys, as DeepSeek-V3's are (128 vs 192): both CP wrappers pad them
+MODELS = {"deepseek_v3 narrow values": ("deepseek_v3", {"v_head_dim": 12, "num_key_value_heads": 4})}
+CASES["deepseek_v3 narrow values cp2 ring"] = ("deepseek_v3 narrow values", _cp("ring"))
+CASES["deepseek_v3 narrow values cp4 hybrid"] = ("deepseek_v3 narrow values", _cp("hybrid", 4))
+
+
+def model_of(key: str) -> tuple[str, dict]:
+    """A case's model: a tiny_hf_causal_lm kind and its config overrides."""
+    return MODELS.get(key, (key, {}))
 
 
 # Gemma 4 trains at a learning rate of 1e-3, not 1e-2: its norms after every sub-layer scale a
@@ -89,9 +98,10 @@ CASES.update(family_cases("kimi_linear", cp_modes=("ulysses",)))
 LR = {"gemma4": 1e-3}
 
 
-def reference_runs(kinds: list[str]) -> dict:
-    """Each family's one-process reference, in float32 (MXFP8 cases are replayed instead)."""
-    return {kind: matrix_reference_run(kind, lr=LR.get(kind, 1e-2)) for kind in kinds}
+def reference_runs(keys: list[str]) -> dict:
+    """Each model's one-process reference, in float32 (MXFP8 cases are replayed instead)."""
+    return {key: matrix_reference_run(model_of(key)[0], model_kwargs=model_of(key)[1], lr=LR.get(key, 1e-2))
+            for key in keys}
 
 
 def is_mx(name: str) -> bool:
@@ -101,8 +111,12 @@ def is_mx(name: str) -> bool:
 def families_run(names: list[str]) -> dict:
     """Each named case in turn on these ranks (one launch for all): its train record; an MXFP8
     case's also holds its weights before each step, for :func:`mx_replay_runs`."""
-    return {name: matrix_run(*CASES[name], record_params=is_mx(name), lr=LR.get(CASES[name][0], 1e-2))[0]
-            for name in names}
+    out = {}
+    for name in names:
+        key, config = CASES[name]
+        kind, model_kwargs = model_of(key)
+        out[name] = matrix_run(kind, config, model_kwargs, record_params=is_mx(name), lr=LR.get(key, 1e-2))[0]
+    return out
 
 
 def params_blob(records: dict[str, TrainRecord]) -> bytes:
@@ -118,8 +132,9 @@ def mx_replay_runs(blob: bytes) -> dict[str, TrainRecord]:
     the case's own weights (``replay_steps``), so every step quantizes the same weights."""
     out = {}
     for name, params in torch.load(io.BytesIO(blob), weights_only=True).items():
-        kind, config = CASES[name]
-        model = tiny_hf_causal_lm(kind)
+        key, config = CASES[name]
+        kind, model_kwargs = model_of(key)
+        model = tiny_hf_causal_lm(kind, **model_kwargs)
         convert_model(model, QuantizeConfig(**config["quantization_plan"]))
-        out[name] = replay_steps(model, MATRIX_BATCHES, params, lr=LR.get(kind, 1e-2), loss_fn=labelled_loss)
+        out[name] = replay_steps(model, MATRIX_BATCHES, params, lr=LR.get(key, 1e-2), loss_fn=labelled_loss)
     return out
