@@ -78,6 +78,9 @@ for _kind in ("glm4_moe", "minimax_m2", "gemma4", "llama4"):
     CASES.update(family_cases(_kind))
 # KDA carries a state along the sequence: Ulysses only (a ring is refused by name)
 CASES.update(family_cases("kimi_linear", cp_modes=("ulysses",)))
+# DeepSeek Sparse Attention: Ulysses gathers each layer's indexer keys (a ring is refused by name)
+for _kind in ("deepseek_v32", "glm_moe_dsa"):
+    CASES.update(family_cases(_kind, cp_modes=("ulysses",)))
 # Values narrower than queries and keys, as DeepSeek-V3's are (128 vs 192): both CP wrappers pad them
 MODELS = {"deepseek_v3 narrow values": ("deepseek_v3", {"v_head_dim": 12, "num_key_value_heads": 4})}
 CASES["deepseek_v3 narrow values cp2 ring"] = ("deepseek_v3 narrow values", _cp("ring"))

@@ -21,6 +21,14 @@ def register_attention_function(name: str, function: Callable[..., Any]) -> None
     AttentionInterface.register(name, function)
 
 
+def register_attention_mask(name: str, like: str = "sdpa") -> None:
+    """Make the models built for ``config._attn_implementation = name`` build the 4-D mask they
+    build for ``like`` (without a mask function of its own, an unknown name gets ``None``)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[like])
+
+
 def attention_function(name: str, module: nn.Module) -> Callable[..., Any]:
     """The core attention an HF attention ``module`` runs for implementation ``name``."""
     if name == "eager":

@@ -15,6 +15,7 @@ LAYER_TYPES = {
     "sliding_attention": AttentionKind.SLIDING,
     "chunked_attention": AttentionKind.CHUNKED,
     "linear_attention": AttentionKind.LINEAR,
+    "indexed_attention": AttentionKind.SPARSE,  # DeepSeek Sparse Attention: an indexer picks each query's keys
 }
 
 

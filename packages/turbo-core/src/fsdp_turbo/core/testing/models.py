@@ -97,7 +97,8 @@ TINY_KIMI_LINEAR_DEFAULTS: dict[str, Any] = {
     "bos_token_id": 1, "eos_token_id": 2,
 }
 # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-MoE-DSA): MLA whose keys an indexer picks, 8 of
-# each query's (16 tokens), value heads 12 wide beside 16-wide query/key heads.
+# each query's (16 tokens), value heads 12 wide beside 16-wide query/key heads. GLM-MoE-DSA's
+# second layer reuses the first's picks (indexer_types "shared").
 TINY_DSA_DEFAULTS: dict[str, Any] = {
     "num_key_value_heads": 4, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_routed_experts": 8,
     "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "kv_lora_rank": 16,
@@ -134,7 +135,8 @@ def tiny_hf_causal_lm(kind: str = "llama", *, seed: int = 0, dtype: torch.dtype 
         "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, TINY_LLAMA4_DEFAULTS),
         "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM, TINY_KIMI_LINEAR_DEFAULTS),
         "deepseek_v32": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM, TINY_DSA_DEFAULTS),
-        "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM, TINY_DSA_DEFAULTS),
+        "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM,
+                        {**TINY_DSA_DEFAULTS, "indexer_types": ["full", "shared"]}),
     }
     if kind not in classes:
         raise ValueError(f"unknown tiny model {kind!r}; use one of {sorted(classes)}")

@@ -61,6 +61,7 @@ class CPPlan(FeaturePlan):
     linear_layers: tuple[LinearAttentionLayer, ...] = ()  # run by Ulysses' linear-attention forward
     # the softmax attention modules (by the model facts), each with its window, chunk and per-head tensors
     layers: tuple[LayerSpec, ...] = ()
+    indexers: tuple[str, ...] = ()  # sparse attention's indexers: their keys gathered over the sequence
 
     @property
     def sliding_layers(self) -> tuple[int, ...]:
@@ -96,6 +97,10 @@ class CPPlan(FeaturePlan):
             how = ("cut to each rank's heads" if self.mode == "ulysses" else
                    "joined once per row" if self.mode == "ring" else "cut to the Ulysses heads, joined once per row")
             rows.append(PlanRow("cp_plan (per-head tensors)", (how,), kind="per-head parameters"))
+        if self.indexers:
+            rows.append(PlanRow("cp_plan (sparse)", (f"indexers of {len(self.indexers)} layers score each rank's "
+                                                     "queries against every rank's keys; the picks gathered",),
+                                kind="sparse"))
         if self.linear_layers:
             first = self.linear_layers[0]
             more = f" (and {len(self.linear_layers) - 1} more)" if len(self.linear_layers) > 1 else ""
@@ -115,7 +120,7 @@ def layer_specs(facts: ModelFacts) -> tuple[LayerSpec, ...]:
     window or chunk and its per-head parameters."""
     return tuple(LayerSpec(layer.name, layer.index, layer.window, layer.chunk,
                            tuple(p.parameter for p in facts.head_parameters_of(layer.name)), layer.query_scale)
-                 for layer in facts.attention_layers if layer.kind in ("softmax", "sliding", "chunked"))
+                 for layer in facts.attention_layers if layer.kind in ("softmax", "sliding", "chunked", "sparse"))
 
 
 def _check_ring_can_compute(config: Any, mode: str) -> None:
@@ -132,22 +137,26 @@ def _check_ring_can_compute(config: Any, mode: str) -> None:
                           reason=f"ring attention does not soft-cap its logits (attn_logit_softcapping={softcap})")
 
 
-# What each attention kind the model facts name needs of context parallel, where it cannot run.
-_KIND_LIMITS = {
-    "unknown": ("context_parallel_size", "use context_parallel_size=1, or state the layer's kind in a family "
-                "(fsdp_turbo.core.families.register_family)", "context parallel does not know how to split it"),
+# The kinds context parallel cannot compute in some modes: kind -> (the modes it runs in, why not others)
+_KIND_MODES = {
+    "unknown": ((), "context parallel does not know how to split it"),
+    "sparse": (("ulysses",), "its indexer picks each query's keys from the whole sequence, which Ulysses gathers "
+                             "(a ring would have to carry every layer's picks)"),
 }
 
 
 def refuse_unknown_kinds(facts: ModelFacts, mode: str) -> None:
-    """A layer whose kind context parallel cannot compute is refused by name before anything
-    is sent: cut to a chunk, it would silently see only that chunk."""
+    """A layer whose kind context parallel cannot compute (in this mode) is refused by name
+    before anything is sent: cut to a chunk, it would silently see only that chunk."""
     for layer in facts.attention_layers:
-        limit = _KIND_LIMITS.get(layer.kind)
-        if limit is not None:
-            field, fix, why = limit
-            raise ConfigError(field, mode if field == "cp_plan.mode" else ">1", fix,
-                              reason=f"{layer.name} is a {layer.declared or layer.kind} layer: {why}")
+        modes, why = _KIND_MODES.get(layer.kind, (None, ""))
+        if modes is None or mode in modes:
+            continue
+        reason = f"{layer.name} is a {layer.declared or layer.kind} layer: {why}"
+        if modes:
+            raise ConfigError("cp_plan.mode", mode, f"use cp_plan.mode: {modes[0]} for this model", reason=reason)
+        raise ConfigError("context_parallel_size", ">1", "use context_parallel_size=1, or state the layer's kind in a "
+                          "family (fsdp_turbo.core.families.register_family)", reason=reason)
 
 
 def check_head_split(facts: ModelFacts, cp: int, tp: int, plan: CPPlanConfig) -> None:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.core.hf import register_attention_function
+from fsdp_turbo.core.hf import register_attention_function, register_attention_mask
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.model_facts import ModelFacts, plain_api_facts
 from fsdp_turbo.core.parallel_state import ParallelState
@@ -35,6 +35,7 @@ from fsdp_turbo.distributed.context_parallel.plan import (
     resolve_cp_target,
 )
 from fsdp_turbo.distributed.context_parallel.ring import ring_core, ring_hf_attention, ring_sdpa
+from fsdp_turbo.distributed.context_parallel.sparse import install_indexers
 from fsdp_turbo.distributed.context_parallel.ulysses import ulysses_core_attention, ulysses_hf_attention
 from fsdp_turbo.fsdp_turbo_config import CPPlanConfig, FSDPTurboConfig
 
@@ -42,13 +43,15 @@ _log = get_logger(__name__)
 _names = itertools.count()
 
 
-def _install_hf(model: nn.Module, state: CPState, implementation: str) -> str:
+def _install_hf(model: nn.Module, state: CPState, implementation: str, model_mask: bool) -> str:
     # One registered name per model: the wrapper closes over that model's CP group.
     name = f"fsdp_turbo_{state.mode}_{next(_names)}_{implementation}"
     wrapper = {"ring": lambda: ring_hf_attention(state),
                "hybrid": lambda: ulysses_hf_attention(state, implementation, core=ring_core(state)),
                "ulysses": lambda: ulysses_hf_attention(state, implementation)}[state.mode]()
     register_attention_function(name, wrapper)
+    if model_mask:  # the model reads its own mask beside the attention (a sparse layer's indexer)
+        register_attention_mask(name)
     model.config._attn_implementation = name
     return name
 
@@ -108,12 +111,13 @@ def apply_cp_plan(model: nn.Module, plan: CPPlan, cp_mesh, cp_groups: list[list[
                     linear_layers=len(plan.linear_layers),
                     layers={model.get_submodule(spec.name): spec for spec in plan.layers}, **extra)
     if target.hf_implementation:
-        where = _install_hf(model, state, target.hf_implementation)
+        where = _install_hf(model, state, target.hf_implementation, model_mask=bool(plan.indexers))
     elif target.module_names:
         where = _install_modules(model, target, state)
     else:
         where = _install_function(target, state)
     install_linear_attention(model, plan.linear_layers, state)
+    install_indexers(model, plan.indexers, state)
     install_input_splitter(model, state, plan.inputs)
     install_loss_sum(model, state.group, state.size)
     model.context_parallel_state = state
@@ -145,7 +149,7 @@ def plan_context_parallel(model: nn.Module, plan: CPPlanConfig | None, size: int
     return CPPlan(size, target, len(layers) or _attention_layers(target, facts, linear), mode=plan.mode,
                   load_balance=plan.load_balance, ulysses_size=plan.ulysses_size or 0,
                   inputs=InputNames(facts.token_input, facts.position_input, facts.ignore_index), linear_layers=linear,
-                  layers=layers)
+                  layers=layers, indexers=facts.indexers if target.hf_implementation else ())
 
 
 def _refuse_chunks_under_flash(layers: tuple, target: CPTarget, mode: str) -> None:

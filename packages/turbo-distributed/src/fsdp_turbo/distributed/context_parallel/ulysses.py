@@ -28,6 +28,7 @@ from fsdp_turbo.core.hf import attention_function
 from fsdp_turbo.distributed.context_parallel.all_to_all import heads_to_sequence, sequence_to_heads
 from fsdp_turbo.distributed.context_parallel.context import CPState
 from fsdp_turbo.distributed.context_parallel.layer_masks import rescale_queries
+from fsdp_turbo.distributed.context_parallel.sparse import picked
 
 
 def replicated_kv_heads(kv_heads: int, cp: int) -> int:
@@ -78,15 +79,17 @@ def heads_view(module: nn.Module, groups: int, heads: slice, kwargs: dict[str, A
 
 def full_causal_mask(seq_len: int, padding: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
                      additive: bool, documents: torch.Tensor | None = None,
-                     window: int | None = None, chunks: torch.Tensor | None = None) -> torch.Tensor | None:
+                     window: int | None = None, chunks: torch.Tensor | None = None,
+                     selected: torch.Tensor | None = None) -> torch.Tensor | None:
     """The full-sequence mask the core attention needs: ``None`` where ``is_causal`` suffices
     (non-eager, no padding, one document per row, no window, no chunks), else boolean (True =
     attend) or additive ``[B or 1, 1, S, S]``. ``documents`` (packed rows) keeps attention inside
     each document; ``window`` (a sliding-window layer) within the last ``window`` positions, as
     transformers' ``sliding_window_overlay``: key ``k`` is seen by query ``q`` when
     ``q - window < k <= q``; ``chunks`` (a chunked layer: each token's block, ``[B or 1, S]``)
-    within the query's block."""
-    if padding is None and documents is None and window is None and chunks is None and not additive:
+    within the query's block; ``selected`` (a sparse layer's picks, ``[B, 1, S, S]``) to those."""
+    if padding is None and documents is None and window is None and chunks is None and selected is None \
+            and not additive:
         return None
     allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
     if window is not None:
@@ -95,6 +98,8 @@ def full_causal_mask(seq_len: int, padding: torch.Tensor | None, dtype: torch.dt
     if chunks is not None:
         chunks = chunks.to(device)
         allowed = allowed & (chunks[:, None, :, None] == chunks[:, None, None, :])
+    if selected is not None:
+        allowed = allowed & selected.to(device)
     if padding is not None:
         allowed = allowed & padding[:, None, None, :].to(device)
     if documents is not None:
@@ -116,6 +121,7 @@ def ulysses_hf_attention(state: CPState, inner: str, core: Callable[..., Any] | 
         context.attention_calls += 1
         spec = state.spec(module)
         window = kwargs.get("sliding_window") or spec.window
+        indices = kwargs.pop("indices", None)  # a sparse attention's picks (sparse.py)
         query = rescale_queries(spec, module, query, context)
         cp, group = state.ulysses_size, state.ulysses_group
         kv_heads = replicated_kv_heads(key.shape[1], cp)
@@ -140,9 +146,10 @@ def ulysses_hf_attention(state: CPState, inner: str, core: Callable[..., Any] | 
         function = attention_function(inner, module)
         # flash kernels take the window as an argument (HF passes sliding_window on); the others read the mask
         chunks = context.chunk_ids(spec.chunk) if spec.chunk else None
+        selected = picked(indices, state, context.seq_len) if indices is not None else None
         mask = full_causal_mask(context.seq_len, context.padding_mask, q.dtype, q.device, additive=inner == "eager",
                                 documents=context.documents, window=None if inner.startswith("flash") else window,
-                                chunks=chunks)
+                                chunks=chunks, selected=selected)
         out, _ = function(view, q, k, v, mask, **kwargs)
         return heads_to_sequence(out, group, cp), None
 

@@ -365,6 +365,11 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
         styles[name] = StyleChoice(StyleKind.HEADS_NORM)
     for name, known in latent.items():
         styles[name] = _latent_choice(model, name, known)
+    # A sparse attention's indexer is whole on every rank, reading the prepared input (it picks
+    # keys for every head; its forward computes no gradient)
+    for name in facts.indexers:
+        if keep(name, model.get_submodule(name)):
+            styles[name] = StyleChoice(StyleKind.REPLICATE_PREPARED)
     _refuse_splits_beside_own_parameters(model, styles, set(colwise) | set(rowwise), keep)
     whole = list(linear)
     if sp:

@@ -1,0 +1,83 @@
+"""DeepSeek Sparse Attention (DSA) under Ulysses.
+
+A sparse layer's indexer scores each query against every earlier token and keeps the top
+``index_topk``; the attention reads only those keys. Cut to a chunk, an indexer would pick among
+its chunk's keys. Under Ulysses each rank computes its own queries' picks against the whole
+sequence: transformers' DSA indexers take their keys through ``past_key_values.update_indexer``
+(the decoding cache), so CP hands them a stand-in whose ``update_indexer`` returns every rank's
+keys (an all-gather of one small key head per token; the indexer computes no gradient), and a
+mask of what each of its queries may see (causal by global position, padding, documents). Its
+picks, in global positions, reach the attention function as ``indices``; the Ulysses wrapper
+gathers them over the sequence and masks the whole sequence's attention by them (:func:`picked`).
+
+The model builds its own 4-D mask for the indexer's call site, so CP registers the 'sdpa' mask
+function under its attention name for such models (an unknown name gets none)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_turbo.distributed.context_parallel.context import CPState, ForwardContext
+
+
+def gather_sequence(local: torch.Tensor, state: CPState) -> torch.Tensor:
+    """``[B, s, ...]`` chunks of every Ulysses rank, in sequence order (no gradient)."""
+    parts = [torch.empty_like(local) for _ in range(state.ulysses_size)]
+    dist.all_gather(parts, local.contiguous(), group=state.ulysses_group)
+    return torch.cat(parts, dim=1)
+
+
+class _EveryRanksKeys:
+    """What the indexer takes for the decoding cache under CP: its keys become every rank's."""
+
+    def __init__(self, state: CPState) -> None:
+        self.state = state
+
+    def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        return gather_sequence(keys, self.state)
+
+
+def _visible(context: ForwardContext, device: torch.device) -> torch.Tensor:
+    """``[B or 1, s, S]``: which of the whole sequence's keys each of this rank's queries may see."""
+    rows = context.my_positions.to(device)
+    allowed = (torch.arange(context.seq_len, device=device)[None, :] <= rows[:, None])[None]
+    if context.padding_mask is not None:
+        allowed = allowed & context.padding_mask.to(device)[:, None, :]
+    if context.documents is not None:
+        documents = context.documents.to(device)
+        allowed = allowed & (documents[:, rows][:, :, None] == documents[:, None, :])
+    return allowed
+
+
+def _indexer_forward(original: Callable[..., Any], state: CPState, hidden_states: torch.Tensor, q_resid: torch.Tensor,
+                     position_embeddings: Any, attention_mask: Any = None, position_ids: Any = None,
+                     past_key_values: Any = None, **kwargs: Any) -> torch.Tensor:
+    # The model's own cache, if it built one, holds this forward's tokens only (a cache handed to the
+    # model is refused by the input hook): the indexer's keys come from every rank instead.
+    context = state.current
+    if context is None:
+        raise RuntimeError("context-parallel sparse attention ran outside a context-parallel forward")
+    mask = _visible(context, hidden_states.device)
+    return original(hidden_states, q_resid, position_embeddings, mask, position_ids,
+                    past_key_values=_EveryRanksKeys(state), **kwargs)
+
+
+def install_indexers(model: nn.Module, names: Sequence[str], state: CPState) -> None:
+    """Each indexer's forward (the instance's) scores this rank's queries against every rank's keys."""
+    for name in names:
+        module = model.get_submodule(name)
+        module.forward = functools.partial(_indexer_forward, module.forward, state)
+
+
+def picked(indices: torch.Tensor, state: CPState, seq_len: int) -> torch.Tensor:
+    """``indices [B, s, k]`` (this Ulysses rank's queries' picks, global positions) -> the whole
+    sequence's ``[B, 1, S, S]`` mask of the picked keys."""
+    every = gather_sequence(indices, state).long()
+    return torch.zeros(*every.shape[:2], seq_len, dtype=torch.bool, device=indices.device).scatter_(
+        -1, every, True)[:, None]
