@@ -81,6 +81,11 @@ CASES.update(family_cases("kimi_linear", cp_modes=("ulysses",)))
 # DeepSeek Sparse Attention: Ulysses gathers each layer's indexer keys (a ring is refused by name)
 for _kind in ("deepseek_v32", "glm_moe_dsa"):
     CASES.update(family_cases(_kind, cp_modes=("ulysses",)))
+# DeepSeek-V4: compressed entries from the whole sequence (Ulysses only); TP splits its MLPs and keeps
+# its attention whole (on the gathered sequence under SP); only its eager attention runs
+TP_PLANS["deepseek_v4"] = {"colwise_parallel": ["*.shared_experts.gate_proj", "*.shared_experts.up_proj"],
+                           "rowwise_parallel": ["*.shared_experts.down_proj"]}
+CASES.update(family_cases("deepseek_v4", cp_modes=("ulysses",)))
 # Values narrower than queries and keys, as DeepSeek-V3's are (128 vs 192): both CP wrappers pad them
 MODELS = {"deepseek_v3 narrow values": ("deepseek_v3", {"v_head_dim": 12, "num_key_value_heads": 4})}
 CASES["deepseek_v3 narrow values cp2 ring"] = ("deepseek_v3 narrow values", _cp("ring"))

@@ -5,11 +5,13 @@ import torch
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.core.model_facts import ModelFactsConfig, resolve_model_facts
+from fsdp_turbo.core.model_facts import ModelFactsConfig, plain_api_facts, resolve_model_facts
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 from fsdp_turbo.distributed.context_parallel import CPState, resolve_cp_target
 from fsdp_turbo.distributed.context_parallel.inputs import split_inputs
+from fsdp_turbo.distributed.context_parallel.transform import plan_context_parallel
 from fsdp_turbo.distributed.context_parallel.ulysses import full_causal_mask, replicate_kv, replicated_kv_heads
+from fsdp_turbo.fsdp_turbo_config import CPPlanConfig
 
 pytest.importorskip("transformers")
 
@@ -84,6 +86,42 @@ def test_validation():
     flex.config._attn_implementation = "flex_attention"
     with pytest.raises(ConfigError, match="cannot take the place"):
         target(flex)
+
+
+@pytest.mark.parametrize("kind, declared, why", [
+    ("kimi_linear", "kimi_delta_attention", "carries a state along the sequence"),
+    ("deepseek_v32", "indexed_attention", "indexer picks each query's keys"),
+    ("glm_moe_dsa", "indexed_attention", "indexer picks each query's keys"),
+    ("deepseek_v4", "compressed_sparse_attention", "compressed entries come from the whole sequence"),
+])
+@pytest.mark.parametrize("mode", ["ring", "hybrid"])
+def test_layers_only_ulysses_computes_are_refused_by_name_for_a_ring(kind, declared, why, mode):
+    model = tiny_hf_causal_lm(kind)
+    plan = CPPlanConfig(mode=mode, **({"ulysses_size": 2} if mode == "hybrid" else {}))
+    with pytest.raises(ConfigError, match="mode: ulysses") as error:
+        plan_context_parallel(model, plan, 4, plain_api_facts(model))
+    assert error.value.field == "cp_plan.mode" and why in str(error.value), str(error.value)
+    assert declared in str(error.value) or "linear" in str(error.value), str(error.value)
+    ulysses = plan_context_parallel(model, CPPlanConfig(mode="ulysses"), 2, plain_api_facts(model))
+    kinds = {row.kind for row in ulysses.describe()}
+    assert kinds & {"linear", "sparse", "compressed"}, kinds
+
+
+def test_a_layer_of_an_unknown_kind_is_refused_in_every_mode():
+    from fsdp_turbo.core.families import AttentionKind, Family, LayerKind, register_family, unregister_family
+
+    model = tiny_hf_causal_lm("llama")
+    model.config.model_type = "llama-with-a-new-mixer"
+    register_family(Family(name="new-mixer", model_types=("llama-with-a-new-mixer",),
+                           layer_kinds=lambda config, layers: (LayerKind(AttentionKind.UNKNOWN, declared="mixer"),)
+                           * layers))
+    try:
+        for mode in ("ulysses", "ring"):
+            with pytest.raises(ConfigError, match="is a mixer layer: context parallel does not know") as error:
+                plan_context_parallel(model, CPPlanConfig(mode=mode), 2, plain_api_facts(model))
+            assert error.value.field == "context_parallel_size"
+    finally:
+        unregister_family("new-mixer")
 
 
 def test_zigzag_tiles_one_kernel_call_per_off_diagonal_block():

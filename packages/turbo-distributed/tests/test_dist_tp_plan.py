@@ -45,6 +45,17 @@ def test_sp_without_a_sharded_head_gathers_before_it():
     assert _resolve(tiny_hf_causal_lm("llama"), plan).kinds["lm_head"] == "gather_replicate"
 
 
+def test_norms_in_the_blocks_left_out_of_sequence_parallel_compute_on_each_ranks_tokens():
+    """Inside the blocks a norm left out of the SP plan runs on the rank's tokens with its gradient
+    summed over TP (as a sequence-parallel norm does); an attention the plan leaves unsplit is kept
+    whole on the gathered sequence (it must see every token)."""
+    plan = TPPlanConfig(colwise_parallel=["*.gate_proj", "*.up_proj"], rowwise_parallel=["*.down_proj"],
+                        sequence_parallel=["model.norm"])
+    kinds = _resolve(tiny_hf_causal_lm("llama"), plan).kinds
+    assert kinds["model.layers.0.input_layernorm"] == "replicate_sequence_local"
+    assert kinds["model.layers.0.self_attn"] == "whole_gathered"
+
+
 def test_tied_embeddings_are_recorded():
     model = tiny_hf_causal_lm("llama", tie_word_embeddings=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -55,8 +66,9 @@ def test_tied_embeddings_are_recorded():
 @pytest.mark.parametrize("plan,message", [
     (TPPlanConfig(colwise_parallel=["model.layers.*.mlp"]), "which tensor parallel cannot shard"),
     (TPPlanConfig(colwise_parallel=["*.q_proj"], loss_parallel=True), "output head"),
+    # the final norm, after the blocks, left out of sequence parallel would see shards as if replicated
     (TPPlanConfig(colwise_parallel=["*.q_proj", "*.k_proj", "*.v_proj"], rowwise_parallel=["*.o_proj"],
-                  sequence_parallel=["model.norm"]), "every norm"),
+                  sequence_parallel=["*layernorm"]), "every norm"),
     # q split by head, k and v left whole beside it: not per head, refused by name
     (TPPlanConfig(colwise_parallel=["*.q_proj"]), r"self_attn.k_proj is a Linear of LlamaAttention"),
 ])

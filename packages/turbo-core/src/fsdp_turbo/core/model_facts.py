@@ -39,9 +39,9 @@ from fsdp_turbo.core.families.resolve import (
     head_counts,
     head_parameters,
     heads_norms,
-    indexers,
     latent_modules,
     model_sizes,
+    of_classes,
     routers,
 )
 from fsdp_turbo.core.forms import class_names
@@ -235,9 +235,11 @@ class ModelFacts:
     heads_norms: tuple[HeadsNormFact, ...] = ()  # norms over every head's channels at once
     routers: tuple[str, ...] = ()
     indexers: tuple[str, ...] = ()  # modules picking a sparse attention's keys
+    compressors: tuple[str, ...] = ()  # modules compressing the whole sequence into extra key/value entries
     sizes: ModelSizes = field(default_factory=ModelSizes)
     block_token_inputs: tuple[str, ...] = ()  # block arguments holding a value per token beside the hidden states
     before_blocks: tuple[str, ...] = ()  # modules outside the blocks that run before them (on the whole sequence)
+    after_blocks: tuple[str, ...] = ()  # modules outside the blocks, beside the final norm, that run after them
 
     def source(self, fact: str) -> str:
         return dict(self.sources).get(fact, "")
@@ -423,15 +425,16 @@ def resolve_model_facts(model: nn.Module, config: ModelFactsConfig | None = None
         latent_modules=latent_modules(model, config.latent_modules),
         heads_norms=heads_norms(model),
         routers=routers(model, config.router_modules),
-        indexers=indexers(model),
+        indexers=of_classes(model, "indexers"),
+        compressors=of_classes(model, "compressors"),
         sizes=model_sizes(model, len(blocks), heads, kv_heads),
         block_token_inputs=family.block_token_inputs if family else (),
-        before_blocks=_before_blocks(model, family))
+        before_blocks=_outside_blocks(model, family.before_blocks if family else ()),
+        after_blocks=_outside_blocks(model, family.after_blocks if family else ()))
 
 
-def _before_blocks(model: nn.Module, family) -> tuple[str, ...]:
+def _outside_blocks(model: nn.Module, patterns: tuple[str, ...]) -> tuple[str, ...]:
     # A family's patterns name modules some of its models have (Gemma 4 without per-layer inputs has none)
-    patterns = family.before_blocks if family else ()
     return tuple(name for name, _ in model.named_modules() if name and matches_any(name, patterns))
 
 

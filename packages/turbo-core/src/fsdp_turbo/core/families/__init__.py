@@ -12,6 +12,7 @@ here (plus its tests). A model the library does not know is described in the con
 # The built-in families register themselves when imported.
 from fsdp_turbo.core.families import (  # noqa: F401 - the built-in families register themselves
     deepseek_v3,
+    deepseek_v4,
     deepseek_v32,
     gemma4,
     glm4_moe,

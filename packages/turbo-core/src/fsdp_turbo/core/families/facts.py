@@ -147,6 +147,12 @@ class Family:
     """``config -> {size: value}`` for sizes a config does not hold under one name
     (overrides ``sizes``)."""
     patches: tuple[MemberPatch, ...] = ()
+    compressors: tuple[str, ...] = ()
+    """Classes of modules inside an attention that compress the whole sequence into extra key/value
+    entries every query may read (DeepSeek-V4's): context parallel runs them on the gathered sequence."""
+    after_blocks: tuple[str, ...] = ()
+    """Patterns of modules outside the repeated blocks, beside the final norm, that run after them
+    (DeepSeek-V4's hyper-connection head): under sequence parallel they see each rank's tokens."""
     before_blocks: tuple[str, ...] = ()
     """Patterns of modules outside the repeated blocks that run before them, on the whole
     sequence (Gemma 4's per-layer input projection and norm), as the embedding does."""

@@ -240,9 +240,10 @@ def routers(model: nn.Module, configured: Sequence[str] | None) -> tuple[str, ..
     return tuple(_outermost(names))
 
 
-def indexers(model: nn.Module) -> tuple[str, ...]:
-    """The families' indexers: modules that pick a sparse attention's keys."""
-    classes = _module_classes("indexers")
+def of_classes(model: nn.Module, attribute: str) -> tuple[str, ...]:
+    """The outermost modules of the classes the families list under ``attribute`` (``indexers``,
+    ``compressors``)."""
+    classes = _module_classes(attribute)
     return tuple(_outermost(name for name, module in model.named_modules() if class_names(module) & classes))
 
 
@@ -282,7 +283,7 @@ def model_sizes(model: nn.Module, layers: int, heads: int | None, kv_heads: int 
                 values[size.name] = _first(config, getattr(names, size.name)) or _per_layer(
                     config, getattr(names, size.name), _most_common)
         if family is not None and family.sizes_of is not None:
-            values.update(family.sizes_of(config))
+            values.update({k: v for k, v in family.sizes_of(config).items() if k not in ("heads", "kv_heads")})
     values = {k: int(v) for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
     values["layers"] = layers or values.get("layers", 0)
     if not values.get("head_dim") and heads and values.get("hidden"):

@@ -106,6 +106,20 @@ TINY_DSA_DEFAULTS: dict[str, Any] = {
     "index_head_dim": 16, "index_topk": 8,
 }
 
+# DeepSeek-V4: three layers, one of each attention kind (a window of 8; compressed sparse entries of
+# every 4 tokens, 2 of them picked per query; heavily compressed entries of every 8), all sharing one
+# key/value head and one sink logit per head; two residual streams (hyper-connections); a
+# hash-routed MoE layer, then top-k routed ones; a grouped output projection.
+TINY_DEEPSEEK_V4_DEFAULTS: dict[str, Any] = {
+    "num_hidden_layers": 3, "head_dim": 32, "partial_rotary_factor": 0.25, "q_lora_rank": 32, "o_groups": 2,
+    "o_lora_rank": 16, "intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+    "mlp_layer_types": ["hash_moe", "moe", "moe"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, "sliding_window": 8,
+    "index_n_heads": 2, "index_head_dim": 16, "index_topk": 2, "hc_mult": 2, "hc_sinkhorn_iters": 3,
+    "use_cache": False,
+}
+
 
 def tiny_hf_causal_lm(kind: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32,
                       device: str | torch.device | None = None, **overrides: Any) -> nn.Module:
@@ -135,6 +149,7 @@ def tiny_hf_causal_lm(kind: str = "llama", *, seed: int = 0, dtype: torch.dtype 
         "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, TINY_LLAMA4_DEFAULTS),
         "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM, TINY_KIMI_LINEAR_DEFAULTS),
         "deepseek_v32": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM, TINY_DSA_DEFAULTS),
+        "deepseek_v4": (transformers.DeepseekV4Config, transformers.DeepseekV4ForCausalLM, TINY_DEEPSEEK_V4_DEFAULTS),
         "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM,
                         {**TINY_DSA_DEFAULTS, "indexer_types": ["full", "shared"]}),
     }
@@ -146,7 +161,22 @@ def tiny_hf_causal_lm(kind: str = "llama", *, seed: int = 0, dtype: torch.dtype 
         with torch.device("meta"):
             return model_cls(config).to(dtype)
     seed_everything(seed)
-    return model_cls(config).to(dtype)
+    model = model_cls(config).to(dtype)
+    _fill_hash_routes(model, seed)
+    return model
+
+
+def _fill_hash_routes(model: nn.Module, seed: int) -> None:
+    """Give hash routers (DeepSeek-V4's ``tid2eid``, all zeros until a checkpoint fills it)
+    distinct experts per token: with the zeros every token would pick expert 0 ``top_k`` times,
+    its weights would be constant and the gate would get no gradient worth comparing."""
+    generator = torch.Generator().manual_seed(seed + 7919)
+    for module in model.modules():
+        table = getattr(module, "tid2eid", None)
+        if isinstance(table, torch.Tensor):
+            vocab, top_k = table.shape
+            picks = torch.rand(vocab, module.num_experts, generator=generator).argsort(dim=-1)[:, :top_k]
+            table.copy_(picks)
 
 
 # ----- experts as a ModuleList (custom and older models) ------------------------------------

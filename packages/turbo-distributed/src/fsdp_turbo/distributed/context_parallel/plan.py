@@ -62,6 +62,7 @@ class CPPlan(FeaturePlan):
     # the softmax attention modules (by the model facts), each with its window, chunk and per-head tensors
     layers: tuple[LayerSpec, ...] = ()
     indexers: tuple[str, ...] = ()  # sparse attention's indexers: their keys gathered over the sequence
+    compressors: tuple[str, ...] = ()  # compressed attention's compressors: run on the gathered sequence
 
     @property
     def sliding_layers(self) -> tuple[int, ...]:
@@ -101,6 +102,10 @@ class CPPlan(FeaturePlan):
             rows.append(PlanRow("cp_plan (sparse)", (f"indexers of {len(self.indexers)} layers score each rank's "
                                                      "queries against every rank's keys; the picks gathered",),
                                 kind="sparse"))
+        if self.compressors:
+            rows.append(PlanRow("cp_plan (compressed)", (f"compressors of {len(self.compressors)} layers run on the "
+                                                         "gathered sequence; their entries join every rank's keys",),
+                                kind="compressed"))
         if self.linear_layers:
             first = self.linear_layers[0]
             more = f" (and {len(self.linear_layers) - 1} more)" if len(self.linear_layers) > 1 else ""
@@ -120,7 +125,8 @@ def layer_specs(facts: ModelFacts) -> tuple[LayerSpec, ...]:
     window or chunk and its per-head parameters."""
     return tuple(LayerSpec(layer.name, layer.index, layer.window, layer.chunk,
                            tuple(p.parameter for p in facts.head_parameters_of(layer.name)), layer.query_scale)
-                 for layer in facts.attention_layers if layer.kind in ("softmax", "sliding", "chunked", "sparse"))
+                 for layer in facts.attention_layers
+                 if layer.kind in ("softmax", "sliding", "chunked", "sparse", "compressed"))
 
 
 def _check_ring_can_compute(config: Any, mode: str) -> None:
@@ -142,6 +148,8 @@ _KIND_MODES = {
     "unknown": ((), "context parallel does not know how to split it"),
     "sparse": (("ulysses",), "its indexer picks each query's keys from the whole sequence, which Ulysses gathers "
                              "(a ring would have to carry every layer's picks)"),
+    "compressed": (("ulysses",), "its compressed entries come from the whole sequence, which Ulysses gathers for "
+                                 "them (a ring would have to carry every layer's entries and their mask)"),
 }
 
 

@@ -1,4 +1,6 @@
-"""DeepSeek Sparse Attention (DSA) under Ulysses.
+"""DeepSeek's sparse and compressed attention under Ulysses.
+
+**Sparse (DSA: DeepSeek-V3.2, GLM-MoE-DSA).**
 
 A sparse layer's indexer scores each query against every earlier token and keeps the top
 ``index_topk``; the attention reads only those keys. Cut to a chunk, an indexer would pick among
@@ -10,8 +12,17 @@ mask of what each of its queries may see (causal by global position, padding, do
 picks, in global positions, reach the attention function as ``indices``; the Ulysses wrapper
 gathers them over the sequence and masks the whole sequence's attention by them (:func:`picked`).
 
-The model builds its own 4-D mask for the indexer's call site, so CP registers the 'sdpa' mask
-function under its attention name for such models (an unknown name gets none)."""
+**Compressed (DeepSeek-V4).** A compressor makes extra key/value entries from the whole sequence
+(softmax-gated sums over blocks of tokens, an indexer picking some of them per query) and the
+attention appends them to its keys, with their visibility per query as the mask's last columns.
+Under Ulysses each rank runs the compressor on the gathered sequence (an all-gather of its
+input, whose backward sums every rank's share), so every rank holds every entry; it keeps its own
+queries' rows of their mask. The Ulysses wrapper moves only the tokens' keys and values, then
+appends the entries, and gathers the entries' mask rows (:func:`gather_rows`).
+
+The model builds its own 4-D mask for these call sites, so CP registers the eager mask function
+(additive: the entries' mask is added to it as transformers adds it) under its attention name
+for such models (an unknown name gets none)."""
 
 from __future__ import annotations
 
@@ -22,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import _functional_collectives as funcol
 
 from fsdp_turbo.distributed.context_parallel.context import CPState, ForwardContext
 
@@ -66,6 +78,33 @@ def _indexer_forward(original: Callable[..., Any], state: CPState, hidden_states
     mask = _visible(context, hidden_states.device)
     return original(hidden_states, q_resid, position_embeddings, mask, position_ids,
                     past_key_values=_EveryRanksKeys(state), **kwargs)
+
+
+def _compressor_forward(original: Callable[..., Any], state: CPState, hidden_states: torch.Tensor,
+                        q_residual: torch.Tensor, position_ids: torch.Tensor, past_key_values: Any = None,
+                        layer_idx: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    context = state.current
+    if context is None:
+        raise RuntimeError("context-parallel compressed attention ran outside a context-parallel forward")
+    group = state.ulysses_group
+    # the whole sequence on every rank; backward: each rank's chunk gets every rank's share
+    whole = [funcol.all_gather_tensor_autograd(x.contiguous(), 1, group) for x in (hidden_states, q_residual)]
+    positions = context.positions.to(position_ids.device)
+    entries, bias = original(*whole, positions, None, layer_idx)  # stateless: the model's cache holds nothing yet
+    rows = None if bias is None else bias[:, :, context.my_positions.to(bias.device)]
+    return entries, rows
+
+
+def install_compressors(model: nn.Module, names: Sequence[str], state: CPState) -> None:
+    """Each compressor's forward (the instance's) runs on the gathered sequence."""
+    for name in names:
+        module = model.get_submodule(name)
+        module.forward = functools.partial(_compressor_forward, module.forward, state)
+
+
+def gather_rows(rows: torch.Tensor, state: CPState) -> torch.Tensor:
+    """``[B, 1, s, T]`` mask rows of this Ulysses rank's queries -> the whole sequence's ``[B, 1, S, T]``."""
+    return gather_sequence(rows.transpose(1, 2), state).transpose(1, 2)
 
 
 def install_indexers(model: nn.Module, names: Sequence[str], state: CPState) -> None:

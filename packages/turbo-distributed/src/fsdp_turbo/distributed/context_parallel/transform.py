@@ -35,7 +35,7 @@ from fsdp_turbo.distributed.context_parallel.plan import (
     resolve_cp_target,
 )
 from fsdp_turbo.distributed.context_parallel.ring import ring_core, ring_hf_attention, ring_sdpa
-from fsdp_turbo.distributed.context_parallel.sparse import install_indexers
+from fsdp_turbo.distributed.context_parallel.sparse import install_compressors, install_indexers
 from fsdp_turbo.distributed.context_parallel.ulysses import ulysses_core_attention, ulysses_hf_attention
 from fsdp_turbo.fsdp_turbo_config import CPPlanConfig, FSDPTurboConfig
 
@@ -50,8 +50,8 @@ def _install_hf(model: nn.Module, state: CPState, implementation: str, model_mas
                "hybrid": lambda: ulysses_hf_attention(state, implementation, core=ring_core(state)),
                "ulysses": lambda: ulysses_hf_attention(state, implementation)}[state.mode]()
     register_attention_function(name, wrapper)
-    if model_mask:  # the model reads its own mask beside the attention (a sparse layer's indexer)
-        register_attention_mask(name)
+    if model_mask:  # the model reads its own mask beside the attention (an indexer, a compressor's entries)
+        register_attention_mask(name, like="eager")
     model.config._attn_implementation = name
     return name
 
@@ -111,13 +111,15 @@ def apply_cp_plan(model: nn.Module, plan: CPPlan, cp_mesh, cp_groups: list[list[
                     linear_layers=len(plan.linear_layers),
                     layers={model.get_submodule(spec.name): spec for spec in plan.layers}, **extra)
     if target.hf_implementation:
-        where = _install_hf(model, state, target.hf_implementation, model_mask=bool(plan.indexers))
+        where = _install_hf(model, state, target.hf_implementation,
+                            model_mask=bool(plan.indexers or plan.compressors))
     elif target.module_names:
         where = _install_modules(model, target, state)
     else:
         where = _install_function(target, state)
     install_linear_attention(model, plan.linear_layers, state)
     install_indexers(model, plan.indexers, state)
+    install_compressors(model, plan.compressors, state)
     install_input_splitter(model, state, plan.inputs)
     install_loss_sum(model, state.group, state.size)
     model.context_parallel_state = state
@@ -149,7 +151,17 @@ def plan_context_parallel(model: nn.Module, plan: CPPlanConfig | None, size: int
     return CPPlan(size, target, len(layers) or _attention_layers(target, facts, linear), mode=plan.mode,
                   load_balance=plan.load_balance, ulysses_size=plan.ulysses_size or 0,
                   inputs=InputNames(facts.token_input, facts.position_input, facts.ignore_index), linear_layers=linear,
-                  layers=layers, indexers=facts.indexers if target.hf_implementation else ())
+                  layers=layers, **_sparse_parts(facts, target))
+
+
+def _sparse_parts(facts: ModelFacts, target: CPTarget) -> dict[str, tuple[str, ...]]:
+    """The indexers (of sparse layers) and compressors (of compressed layers) CP takes over. The
+    compressed layers' own indexers belong to their compressors, which run whole."""
+    if not target.hf_implementation:
+        return {"indexers": (), "compressors": ()}
+    compressors = facts.compressors
+    indexers = tuple(name for name in facts.indexers if not any(name.startswith(c + ".") for c in compressors))
+    return {"indexers": indexers, "compressors": compressors}
 
 
 def _refuse_chunks_under_flash(layers: tuple, target: CPTarget, mode: str) -> None:

@@ -28,7 +28,7 @@ from fsdp_turbo.core.hf import attention_function
 from fsdp_turbo.distributed.context_parallel.all_to_all import heads_to_sequence, sequence_to_heads
 from fsdp_turbo.distributed.context_parallel.context import CPState
 from fsdp_turbo.distributed.context_parallel.layer_masks import rescale_queries
-from fsdp_turbo.distributed.context_parallel.sparse import picked
+from fsdp_turbo.distributed.context_parallel.sparse import gather_rows, picked
 
 
 def replicated_kv_heads(kv_heads: int, cp: int) -> int:
@@ -110,6 +110,16 @@ def full_causal_mask(seq_len: int, padding: torch.Tensor | None, dtype: torch.dt
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
+def _with_entries(mask: torch.Tensor | None, entries: torch.Tensor, seq_len: int, device: torch.device) -> torch.Tensor:
+    """The tokens' mask ``[B or 1, 1, S, S]`` (None: causal) with the entries' columns ``[B, 1, S, T]``
+    (additive, as the model builds them) after it, in the tokens' mask's form."""
+    if mask is None:
+        mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+    entries = entries.to(device)
+    entries = entries == 0 if mask.dtype == torch.bool else entries.to(mask.dtype)
+    return torch.cat([mask.expand(entries.shape[0], -1, -1, -1), entries], dim=-1)
+
+
 def ulysses_hf_attention(state: CPState, inner: str, core: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """An HF attention function (``AttentionInterface`` signature) that runs ``inner``
     (an implementation name such as ``"sdpa"``) on the whole sequence; or, hybrid, on
@@ -125,6 +135,13 @@ def ulysses_hf_attention(state: CPState, inner: str, core: Callable[..., Any] | 
         query = rescale_queries(spec, module, query, context)
         cp, group = state.ulysses_size, state.ulysses_group
         kv_heads = replicated_kv_heads(key.shape[1], cp)
+        # Keys longer than the queries: entries every rank holds whole after its tokens (a compressed
+        # attention's), their visibility the mask's last columns; they do not travel (sparse.py).
+        extra = key.shape[2] - query.shape[2]
+        entries = None
+        if extra > 0:
+            entries = key[:, :, -extra:], value[:, :, -extra:], gather_rows(attention_mask[..., -extra:], state)
+            key, value = key[:, :, :-extra], value[:, :, :-extra]
         # One all-to-all for Q, K and V: split [q heads | k heads | v heads] per rank group. Values
         # of another width than queries and keys (MLA's) are padded with zeros to travel with them.
         qk_width, value_width = query.shape[-1], value.shape[-1]
@@ -137,6 +154,10 @@ def ulysses_hf_attention(state: CPState, inner: str, core: Callable[..., Any] | 
         gathered = sequence_to_heads(per_rank.flatten(1, 2), group, cp)
         q, k, v = gathered.split(parts, dim=1)
         q, k, v = q[..., :qk_width], k[..., :qk_width], v[..., :value_width]
+        if entries is not None:
+            my_kv = slice(state.ulysses_rank * parts[1], (state.ulysses_rank + 1) * parts[1])
+            k, v = (torch.cat([x, replicate_kv(e, kv_heads)[:, my_kv]], dim=2) for x, e in ((k, entries[0]),
+                                                                                            (v, entries[1])))
         # this rank now holds query heads [rank * heads/cp, (rank + 1) * heads/cp) of the whole sequence
         mine = slice(state.ulysses_rank * parts[0], (state.ulysses_rank + 1) * parts[0])
         view, kwargs = heads_view(module, heads // kv_heads, mine, kwargs, spec.head_parameters)
@@ -150,6 +171,8 @@ def ulysses_hf_attention(state: CPState, inner: str, core: Callable[..., Any] | 
         mask = full_causal_mask(context.seq_len, context.padding_mask, q.dtype, q.device, additive=inner == "eager",
                                 documents=context.documents, window=None if inner.startswith("flash") else window,
                                 chunks=chunks, selected=selected)
+        if entries is not None:
+            mask = _with_entries(mask, entries[2], context.seq_len, q.device)
         out, _ = function(view, q, k, v, mask, **kwargs)
         return heads_to_sequence(out, group, cp), None
 

@@ -275,7 +275,11 @@ def _validate(model: nn.Module, matches: _Matches, tp: int, facts: ModelFacts) -
     _check_lora_kept_whole(model, matches.rowwise, "tp_plan.rowwise_parallel")
     _check_types_and_sizes(matches.colwise, "tp_plan.colwise_parallel", tp, colwise=True)
     _check_types_and_sizes(matches.rowwise, "tp_plan.rowwise_parallel", tp, colwise=False)
-    _check_heads(facts, tp)
+    # the heads split only where the plan splits an attention (the facts' layers; any Linear when
+    # the facts know none)
+    attention = [layer.name for layer in facts.attention_layers]
+    if not attention or any(_inside(name, attention) for name in matches.colwise):
+        _check_heads(facts, tp)
 
 
 def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int, facts: ModelFacts,
@@ -365,25 +369,40 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
         styles[name] = StyleChoice(StyleKind.HEADS_NORM)
     for name, known in latent.items():
         styles[name] = _latent_choice(model, name, known)
-    # A sparse attention's indexer is whole on every rank, reading the prepared input (it picks
-    # keys for every head; its forward computes no gradient)
+    # A split sparse attention's indexer is whole on every rank, reading the prepared input (it
+    # picks keys for every head; its forward computes no gradient)
     for name in facts.indexers:
-        if keep(name, model.get_submodule(name)):
+        if keep(name, model.get_submodule(name)) and _inside(name, hook_parents):
             styles[name] = StyleChoice(StyleKind.REPLICATE_PREPARED)
     _refuse_splits_beside_own_parameters(model, styles, set(colwise) | set(rowwise), keep)
-    whole = list(linear)
+    whole = [*linear, *_unsplit_attention(model, facts, styles, set(colwise) | set(rowwise), keep, linear)]
     if sp:
         styles.update(_sequence_region_styles(model, plan, blocks, styles, whole, facts, colwise))
 
     # Inside the sequence region, a leftover module not behind a prepared (gathered) input
     # sees only this rank's tokens: an MoE router or its experts.
+    # So does a module the facts say runs after the blocks (beside the final norm).
+    after = set(facts.after_blocks)
+
     def sequence_local(name: str) -> bool:
-        return sp and _inside(name, block_names) and not _inside(name, hook_parents)
+        return sp and ((_inside(name, block_names) and not _inside(name, hook_parents))
+                       or name in after or _inside(name, after))
 
     for name in whole:
         styles[name] = StyleChoice(StyleKind.WHOLE_GATHERED if sequence_local(name) else StyleKind.WHOLE)
     _replicate_the_rest(model, styles, set(colwise) | set(rowwise), sequence_local, keep, whole)
     return styles
+
+
+def _unsplit_attention(model: nn.Module, facts: ModelFacts, styles: dict[str, StyleChoice], sharded: set[str],
+                       keep: Callable[[str, nn.Module], bool], linear: tuple[str, ...]) -> list[str]:
+    """The facts' attention layers the plan leaves unsplit (nothing inside them planned): each is
+    kept whole, so under sequence parallel it computes on the gathered sequence, as attention
+    must (DeepSeek-V4's, whose one key/value head and compressed entries every head reads)."""
+    touched = set(styles) | sharded
+    return [layer.name for layer in facts.attention_layers
+            if layer.name not in linear and keep(layer.name, model.get_submodule(layer.name))
+            and layer.name not in touched and not any(_inside(name, [layer.name]) for name in touched)]
 
 
 def _hook_parents(model: nn.Module, colwise: dict[str, nn.Module], block_names: set[str],

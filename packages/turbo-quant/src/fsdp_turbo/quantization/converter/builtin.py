@@ -22,11 +22,19 @@ from fsdp_turbo.quantization.training.mx_linear import MXLinear, to_mx_linear
 from fsdp_turbo.quantization.training.recipe import MXRecipe
 
 
+def _own_forward(module: nn.Linear) -> str | None:
+    # A Linear subclass with a forward of its own computes something else with its weight (DeepSeek-V4's
+    # grouped output projection: one GEMM per group): an MX linear in its place would be wrong.
+    overridden = type(module).forward is not nn.Linear.forward
+    return f"{type(module).__name__} computes its own forward, not a Linear's" if overridden else None
+
+
 def _linear_unsupported(module: nn.Linear, recipe: MXRecipe) -> str | None:
     # forward blocks run along in_features, dgrad blocks along out_features.
     bad = [f"{n}={v}" for n, v in (("in_features", module.in_features), ("out_features", module.out_features))
            if v % recipe.block_size]
-    return f"{', '.join(bad)} not divisible by block_size={recipe.block_size}" if bad else None
+    return _own_forward(module) or (f"{', '.join(bad)} not divisible by block_size={recipe.block_size}" if bad
+                                    else None)
 
 
 MX_LINEAR = register_converter(Converter(
@@ -47,8 +55,9 @@ MX_EXPERTS = register_converter(Converter(
 
 def _frozen_linear_unsupported(module: nn.Linear, recipe: MXRecipe) -> str | None:
     # the only blocks run along in_features (no gradient of the weight, so no blocks along out_features)
-    return (f"in_features={module.in_features} not divisible by block_size={recipe.block_size}"
-            if module.in_features % recipe.block_size else None)
+    return _own_forward(module) or (f"in_features={module.in_features} not divisible by "
+                                    f"block_size={recipe.block_size}" if module.in_features % recipe.block_size
+                                    else None)
 
 
 def _is_frozen_linear(module: nn.Module) -> bool:
