@@ -331,9 +331,10 @@ def ring_core(state) -> Any:
         value_width = value.shape[-1]
         width = max(query.shape[-1], value_width)
         query, key, value = (F.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
-        # fp32 blocks: the merge and the recomputed backward are exact to rounding
-        out = ring_attention(query.float(), key.float(), value.float(), scale, tiles, state.ring_group,
-                             sinks=None if sinks is None else sinks.float(), steps=steps)
+        # blocks in fp32 at least (fp64 stays): the merge and the recomputed backward are exact to rounding
+        exact = torch.promote_types(query.dtype, torch.float32)
+        out = ring_attention(query.to(exact), key.to(exact), value.to(exact), scale, tiles, state.ring_group,
+                             sinks=None if sinks is None else sinks.to(exact), steps=steps)
         return out[..., :value_width].to(query.dtype).transpose(1, 2).contiguous(), None
 
     return attention
