@@ -170,7 +170,7 @@ CASES: dict[str, Case] = {
         "tp_plan.loss_parallel"),
     "sequence parallel misses norms": Case("config", lambda _i: _facade(
         {"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": QKV, "rowwise_parallel": ["*.o_proj"],
-                                                "sequence_parallel": ["model.norm"]}}), "every norm"),
+                                                "sequence_parallel": ["*layernorm"]}}), "every norm"),
     "tied weights sharded differently": Case("config", lambda _i: _facade(
         {"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": ["lm_head"]}}, tie_word_embeddings=True),
         "share one parameter"),

@@ -58,9 +58,11 @@ CASES = {
     "loss_parallel_head_not_colwise": ({"tensor_parallel_size": 2,
                                         "tp_plan": {"colwise_parallel": ["*.q_proj"], "loss_parallel": True}},
                                        "tp_plan.loss_parallel"),
+    # the final norm, after the blocks, left out (a norm inside the blocks left out runs on each
+    # rank's tokens with its gradient summed)
     "sequence_parallel_misses_norms": ({"tensor_parallel_size": 2, "tp_plan": {
         "colwise_parallel": ["*.q_proj", "*.k_proj", "*.v_proj"], "rowwise_parallel": ["*.o_proj"],
-        "sequence_parallel": ["model.norm"]}}, "tp_plan.sequence_parallel"),
+        "sequence_parallel": ["*layernorm"]}}, "tp_plan.sequence_parallel"),
     # q split by head and k, v, o left whole beside it: not per head
     "attention_half_split": ({"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": ["*.q_proj"]}},
                              "tp_plan.colwise_parallel"),

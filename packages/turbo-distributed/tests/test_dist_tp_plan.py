@@ -124,3 +124,21 @@ def test_a_split_inside_the_gated_deltanet_is_refused_at_plan_time():
         _resolve(tiny_hf_causal_lm("qwen3_next"), plan)
     assert caught.value.value == "*.linear_attn.out_proj"
     assert "TP keeps it whole" in caught.value.fix
+
+
+def test_deepseek_v4s_attention_is_kept_whole_and_refused_when_split():
+    """One key/value head that every query head reads, and compressed entries: V4's attention is
+    kept whole on the gathered sequence (the plan splits its MLPs); splitting it is refused by name."""
+    from fsdp_turbo.core.model_facts import plain_api_facts
+
+    model = tiny_hf_causal_lm("deepseek_v4")
+    mlp = TPPlanConfig(colwise_parallel=["*.shared_experts.gate_proj", "*.shared_experts.up_proj"],
+                       rowwise_parallel=["*.shared_experts.down_proj"], sequence_parallel=["model.norm"])
+    kinds = resolve_tp_plan(model, mlp, 2, plain_api_facts(model)).kinds
+    assert {kinds[f"model.layers.{i}.self_attn"] for i in range(3)} == {"whole_gathered"}
+    # after the blocks, beside the final norm: on each rank's tokens, its gradient summed over TP
+    assert kinds["model.hc_head"] == "replicate_sequence_local"
+    split = TPPlanConfig(colwise_parallel=["*.self_attn.q_b_proj"], rowwise_parallel=["*.self_attn.o_b_proj"])
+    with pytest.raises(ConfigError, match="leave the attention out of tp_plan") as error:
+        resolve_tp_plan(model, split, 2, plain_api_facts(model))
+    assert error.value.field == "tensor_parallel_size" and "num_key_value_heads=1" in str(error.value)

@@ -218,7 +218,8 @@ def _check_heads(facts: ModelFacts, tp: int) -> None:
     if kv_heads is not None and kv_heads % tp:
         # Replicating K/V heads across TP ranks is not supported: keep the shards even.
         raise ConfigError("tensor_parallel_size", tp, f"use a tensor_parallel_size that divides "
-                          f"num_key_value_heads={kv_heads}", reason="key/value heads must split evenly")
+                          f"num_key_value_heads={kv_heads}, or leave the attention out of tp_plan (an attention "
+                          "the plan does not split is kept whole)", reason="key/value heads must split evenly")
 
 
 def _outside(exclude: Collection[str]) -> Callable[[str, nn.Module], bool]:
