@@ -37,7 +37,8 @@ RECOMPUTE_CHUNK_LOSS = {"recompute": True, "recompute_policy": "full", "chunk_lo
 
 
 def _ep(kind: str, dispatcher: str) -> dict:
-    # world 4, EP 2: the experts are also sharded over the other pair (efsdp 2)
+    # at 2 ranks the dense layers are FSDP=2; at 4 ranks the experts are also sharded over the
+    # other pair (efsdp 2)
     return {"expert_parallel_size": 2,
             "ep_plan": {"apply_modules": EXPERTS.get(kind, ["*mlp.experts"]), "dispatcher": dispatcher}}
 
@@ -49,28 +50,40 @@ def _tp(kind: str, sequence_parallel: bool) -> dict:
     return {"fully_shard_parallel_size": 2, "tensor_parallel_size": 2, "tp_plan": plan}
 
 
-def _cp(mode: str, size: int = 2, **extra) -> dict:
+def _cp(mode: str, size: int = 2, world: int = 4, **extra) -> dict:
     plan = {"mode": mode, **({"ulysses_size": 2} if mode == "hybrid" else {}), **extra}
-    return {"context_parallel_size": size, "fully_shard_parallel_size": 4 // size, "cp_plan": plan}
+    return {"context_parallel_size": size, "fully_shard_parallel_size": world // size, "cp_plan": plan}
+
+
+# Each case's world: 2 ranks where the layout needs no more (a 4-rank run on the suite's 2 cores
+# costs about three times as much); 4 for FSDP x TP, EP x expert FSDP and hybrid CP.
+WORLD: dict[str, int] = {}
 
 
 def family_cases(kind: str, *, moe: bool = True, cp_modes: tuple[str, ...] = ("ulysses", "ring", "hybrid"),
                  tp: bool = True) -> dict[str, tuple[str, dict]]:
-    """Every layout a family goes through; CP modes its attention allows."""
-    cases = {f"{kind} fsdp4": (kind, {"fully_shard_parallel_size": 4})}
+    """Every layout a family goes through; CP modes its attention allows. At 2 ranks: EP=2 under
+    every dispatcher, CP=2 (Ulysses, ring), FSDP=2 with full recompute and the chunked loss; at 4
+    ranks: FSDP=2 x TP=2 with sequence parallel, hybrid CP=4, MXFP8 at EP=2 x expert FSDP=2 (a
+    dense family: at FSDP=4). Plain FSDP is in every layout."""
+    two, four = {}, {}
     if moe:
-        cases.update({f"{kind} ep2 {d}": (kind, _ep(kind, d)) for d in DISPATCHERS})
-    if tp:
-        cases[f"{kind} fsdp2 x tp2 sp"] = (kind, _tp(kind, sequence_parallel=True))
+        two.update({f"{kind} ep2 {d}": (kind, _ep(kind, d)) for d in DISPATCHERS})
     for mode in cp_modes:
-        size = 4 if mode == "hybrid" else 2
-        cases[f"{kind} cp{size} {mode}"] = (kind, _cp(mode, size))
-    cases[f"{kind} fsdp4 recompute full + chunk loss"] = (kind, {"fully_shard_parallel_size": 4,
-                                                                  **RECOMPUTE_CHUNK_LOSS})
-    cases[f"{kind} fsdp4 mxfp8"] = (kind, {"fully_shard_parallel_size": 4, "quantization_plan": MX_PLAN})
+        if mode == "hybrid":
+            four[f"{kind} cp4 hybrid"] = (kind, _cp(mode, 4))
+        else:
+            two[f"{kind} cp2 {mode}"] = (kind, _cp(mode, 2, world=2))
+    two[f"{kind} fsdp2 recompute full + chunk loss"] = (kind, {"fully_shard_parallel_size": 2,
+                                                                **RECOMPUTE_CHUNK_LOSS})
+    if tp:
+        four[f"{kind} fsdp2 x tp2 sp"] = (kind, _tp(kind, sequence_parallel=True))
     if moe:
-        cases[f"{kind} ep2 fused mxfp8"] = (kind, {**_ep(kind, "fused"), "quantization_plan": MX_PLAN})
-    return cases
+        four[f"{kind} ep2 x efsdp2 fused mxfp8"] = (kind, {**_ep(kind, "fused"), "quantization_plan": MX_PLAN})
+    else:
+        four[f"{kind} fsdp4 mxfp8"] = (kind, {"fully_shard_parallel_size": 4, "quantization_plan": MX_PLAN})
+    WORLD.update({**dict.fromkeys(two, 2), **dict.fromkeys(four, 4)})
+    return {**two, **four}
 
 
 CASES: dict[str, tuple[str, dict]] = {}
@@ -88,13 +101,20 @@ TP_PLANS["deepseek_v4"] = {"colwise_parallel": ["*.shared_experts.gate_proj", "*
 CASES.update(family_cases("deepseek_v4", cp_modes=("ulysses",)))
 # Values narrower than queries and keys, as DeepSeek-V3's are (128 vs 192): both CP wrappers pad them
 MODELS = {"deepseek_v3 narrow values": ("deepseek_v3", {"v_head_dim": 12, "num_key_value_heads": 4})}
-CASES["deepseek_v3 narrow values cp2 ring"] = ("deepseek_v3 narrow values", _cp("ring"))
+CASES["deepseek_v3 narrow values cp2 ring"] = ("deepseek_v3 narrow values", _cp("ring", world=2))
+WORLD["deepseek_v3 narrow values cp2 ring"] = 2
 CASES["deepseek_v3 narrow values cp4 hybrid"] = ("deepseek_v3 narrow values", _cp("hybrid", 4))
-# Gemma 4's ring in float64 (without its MoE: grouped GEMMs take no float64): the ring's merged
-# blocks are exact, so its float32 cases' larger gradient differences (GRAD_ATOL) are rounding
-MODELS["gemma4 dense float64"] = ("gemma4", {"dtype": torch.float64, "enable_moe_block": False})
-CASES["gemma4 dense float64 cp2 ring"] = ("gemma4 dense float64", _cp("ring"))
-CASES["gemma4 dense float64 cp4 hybrid"] = ("gemma4 dense float64", _cp("hybrid", 4))
+# Gemma 4 in float64 (its experts eager: grouped GEMMs take no float64) under the layouts that sum
+# in another order than one process (TP's split sums, the ring's blocks): they match to 4e-7 of the
+# largest gradient, so its float32 cases' larger differences (GRAD_ATOL) are rounding
+MODELS["gemma4 float64"] = ("gemma4", {"dtype": torch.float64, "experts_implementation": "eager"})
+CASES["gemma4 float64 fsdp2 x tp2 sp"] = ("gemma4 float64", _tp("gemma4", sequence_parallel=True))
+CASES["gemma4 float64 cp2 ring"] = ("gemma4 float64", _cp("ring", world=2))
+WORLD["gemma4 float64 cp2 ring"] = 2
+
+
+# One launch per world size, each about the same time: one per worker of the suite
+LAUNCHES = {f"{world} ranks": [name for name in CASES if WORLD.get(name, 4) == world] for world in (2, 4)}
 
 
 def model_of(key: str) -> tuple[str, dict]:
@@ -108,12 +128,13 @@ def model_of(key: str) -> tuple[str, dict]:
 # 1e-2 AdamW turns that into visible updates where a gradient sits at its epsilon: the
 # trajectories part after two steps in every layout, FSDP=4 alone included. At 1e-3 they agree
 # to 1e-6 over the four steps.
-LR = {"gemma4": 1e-3, "gemma4 dense float64": 1e-3}
-# Gemma 4 under a ring: its attention takes unscaled scores (scaling 1.0 on normed queries and
-# keys), so the ring's block-by-block softmax (its sums in another order than one kernel's) moves
-# a first-step gradient entry by up to 2e-6 where the others stay under 1e-6; the same layouts in
-# float64 match to 3e-7 of the largest gradient (the "gemma4 dense float64" cases).
-GRAD_ATOL = {"gemma4 cp2 ring": 4e-6, "gemma4 cp4 hybrid": 4e-6}
+LR = {"gemma4": 1e-3, "gemma4 float64": 1e-3}
+# Gemma 4's attention takes unscaled scores (scaling 1.0 on normed queries and keys) and a norm
+# follows every sub-layer, so a sum in another order than one process's (TP's split sums, the
+# ring's block-by-block softmax) moves a first-step gradient entry by up to 2e-6 in float32,
+# where the other families stay under 1e-6; in float64 the same layouts match to 4e-7 of the
+# largest gradient (the "gemma4 float64" cases, at the default atol).
+GRAD_ATOL = {"gemma4": 4e-6}
 
 
 def reference_runs(keys: list[str]) -> dict:
