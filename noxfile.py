@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import nox
@@ -58,12 +57,6 @@ if "UV_FIND_LINKS" not in os.environ and (_links := _pip_find_links()):
 # tests start (else pytest's workers and their rank servers would compile the same modules
 # side by side); anything else is compiled by its first import, once for the session.
 os.environ["PYTHONDONTWRITEBYTECODE"] = ""  # empty: writing allowed (a non-empty value forbids it)
-# One multi-rank launch at a time across pytest's two workers (fsdp_turbo.core.testing.
-# launch_lock): two launches side by side oversubscribe two cores and each waits in its
-# collectives for descheduled peers, so together they take longer than in turn. Sessions
-# run one after another, so one lock file serves them all.
-LAUNCH_LOCK = Path(tempfile.gettempdir()) / f"fsdp-turbo-launch-{os.getpid()}.lock"
-os.environ.setdefault("FSDP_TURBO_LAUNCH_LOCK", str(LAUNCH_LOCK))
 WARM_IMPORTS = """
 import importlib.util
 import torch, torch.distributed.tensor, torch._dynamo

@@ -15,8 +15,6 @@ import pytest
 import torch
 import yaml
 
-from fsdp_turbo.core.testing.launch_lock import one_launch_at_a_time
-
 pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
 # one worker runs the whole module, so its module fixtures (launched runs) are built once
@@ -43,9 +41,8 @@ TIMING = ("tokens_per_s", "tflops_per_rank", "peak_memory_mib", "data_wait_s", "
 
 def fsdp_turbo(*args, env=None, check=True, timeout=600):
     command = [sys.executable, "-m", "fsdp_turbo.cli.main", *map(str, args)]
-    with one_launch_at_a_time():  # a launch starts ranks (see the lock's module)
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                env={**os.environ, **(env or {})})
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, **(env or {})})
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result

@@ -23,21 +23,12 @@ import torch
 import yaml
 from test_integ_cli import TIMING, assert_same_weights, metrics, weights, with_data_cache
 
-from fsdp_turbo.core.testing.launch_lock import one_launch_at_a_time
-
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("multinode")]
 
 ROOT = Path(__file__).resolve().parent.parent
 NPROC = 2  # per node
 RDZV_ID = "multinode-test"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_launch_at_a_time():
-    """The module's agents run beside its test bodies, so it holds the launch lock throughout."""
-    with one_launch_at_a_time():
-        yield
 
 
 def _job() -> dict:

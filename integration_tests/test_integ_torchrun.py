@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from fsdp_turbo.core.testing import TrainRecord, assert_parity, make_token_batches, run_reference, train_steps
-from fsdp_turbo.core.testing.launch_lock import one_launch_at_a_time
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 
 pytest.importorskip("transformers")
@@ -32,8 +31,7 @@ def torchrun(script, nproc, *args, timeout=300):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                str(script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with one_launch_at_a_time():
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
 

@@ -1,14 +1,12 @@
-"""The multi-rank harness: results by rank, error re-raise, timeouts, reference runner, launch lock."""
+"""The multi-rank harness: results by rank, error re-raise, timeouts, reference runner."""
 
 import os
-import threading
 import time
 
 import pytest
 import torch
 
 from fsdp_turbo.core.testing import run_distributed, run_reference
-from fsdp_turbo.core.testing.launch_lock import LAUNCH_LOCK_ENV, one_launch_at_a_time
 
 pytestmark = pytest.mark.multirank
 
@@ -70,34 +68,3 @@ def test_return_exceptions_gives_every_rank():
 
 def test_reference_runner_has_no_process_group():
     assert run_reference(_no_process_group) == (False, "1")
-
-
-def _stamp_a_stretch():
-    started = time.time()
-    time.sleep(0.5)
-    return started, time.time()
-
-
-def test_launches_under_the_launch_lock_take_turns(tmp_path, monkeypatch):
-    """Two callers (threads here: flock excludes each open file, so they contend as two
-    processes would) launch at once; their ranks' stretches never overlap."""
-    monkeypatch.setenv(LAUNCH_LOCK_ENV, str(tmp_path / "launch.lock"))
-    stretches = {}
-
-    def launch(name):
-        stamps = run_distributed(_stamp_a_stretch, 2, timeout=120, init_process_group=False)
-        stretches[name] = (min(s for s, _ in stamps), max(e for _, e in stamps))
-
-    callers = [threading.Thread(target=launch, args=(name,)) for name in ("a", "b")]
-    for caller in callers:
-        caller.start()
-    for caller in callers:
-        caller.join(timeout=180)
-    first, second = sorted(stretches.values())
-    assert len(stretches) == 2 and first[1] <= second[0], f"the launches overlapped: {stretches}"
-
-
-def test_a_launch_inside_the_lock_does_not_wait_for_itself(tmp_path, monkeypatch):
-    monkeypatch.setenv(LAUNCH_LOCK_ENV, str(tmp_path / "launch.lock"))
-    with one_launch_at_a_time():
-        assert run_distributed(_all_reduce_rank, 2, timeout=60) == [(r, 2, 1.0) for r in range(2)]

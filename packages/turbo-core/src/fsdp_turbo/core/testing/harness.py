@@ -8,7 +8,6 @@ rank's own traceback, and one deadline that kills every rank.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import shutil
@@ -18,7 +17,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from fsdp_turbo.core.testing.launch_lock import one_launch_at_a_time
 from fsdp_turbo.core.testing.pool import active_pool
 from fsdp_turbo.core.testing.ranks import (
     _GRACE_S,
@@ -94,18 +92,8 @@ def run_distributed(
 
     Inside :func:`~fsdp_turbo.core.testing.pool.pooled_ranks` the call runs on the pool's
     ranks for ``world_size`` (started once, each call in a fresh process group); otherwise
-    on ranks forked for this call alone. With two ranks or more the call holds the session's
-    launch lock (:mod:`~fsdp_turbo.core.testing.launch_lock`) while its ranks run.
+    on ranks forked for this call alone.
     """
-    lock = one_launch_at_a_time() if world_size > 1 else contextlib.nullcontext()
-    with lock:
-        return _run(fn, world_size, args, kwargs, timeout=timeout, backend=backend,
-                    init_process_group=init_process_group, num_threads=num_threads,
-                    return_exceptions=return_exceptions)
-
-
-def _run(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *, timeout: float,
-         backend: str | None, init_process_group: bool, num_threads: int, return_exceptions: bool) -> list[Any]:
     import torch.distributed as dist
 
     pool = active_pool(world_size) if backend is None and num_threads == 1 else None
