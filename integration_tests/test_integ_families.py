@@ -15,7 +15,7 @@ from fsdp_turbo.core.testing import assert_parity, run_distributed, run_referenc
 from fsdp_turbo.core.testing.parity import sqnr_db
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("integ_families")]  # one worker: the launch runs once
 
 # MLA under TP: the latent modules stay whole (turbo-distributed test_dist_tp_gpt_oss.py plans them);
 # the rotary key its kv_a_proj_with_mqa makes for every head gets its gradient summed over TP

@@ -15,7 +15,7 @@ from fsdp_turbo.core.testing import assert_parity, run_distributed, run_referenc
 from fsdp_turbo.fsdp_turbo import plan_transforms
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("integ_novel_model")]  # the launch runs once
 CASES = {"tp (config)": (TP, "config"), "tp (family)": (TP, "family"), "ep (config)": (EP, "config")}
 
 
