@@ -9,7 +9,7 @@ from data_jobs import DP, packed_run, reference
 from fsdp_turbo.core.testing import assert_parity, run_distributed
 
 pytest.importorskip("datasets")
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("integ_data_parity")]  # module fixtures built once
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from composed_jobs import baseline_and_candidate, reference_run
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("integ_memory")]  # module fixtures built once
 
 FACADE = {
     "recompute": {"recompute": True, "recompute_policy": "selective"},

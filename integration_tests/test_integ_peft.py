@@ -32,6 +32,7 @@ from fsdp_turbo.core.patterns import match_modules
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 
 pytest.importorskip("peft")
+pytestmark = pytest.mark.xdist_group("integ_peft")  # its module fixtures (the references) built once
 TOL = {"loss_rtol": 1e-5, "grad_rtol": 1e-4, "grad_atol": 1e-6}
 
 

@@ -20,7 +20,7 @@ from fsdp_turbo.core.testing import run_distributed, run_reference
 from fsdp_turbo.core.testing.parity import assert_stepwise_parity, sqnr_db
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("integ_quant")]  # module fixtures built once
 
 CASES = {
     "mx": {},
