@@ -340,36 +340,8 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
     planned = set(colwise) | set(rowwise) | set(sequence)
 
     hook_parents = _hook_parents(model, colwise, block_names, planned)
-    head_local = [name for name, module in model.named_modules()
-                  if name and keep(name, module) and name not in planned and _parent(name) in hook_parents
-                  and _own_params(module) and not _children_own_params(module)]
-    latent = {name: known for name in head_local if (known := facts.latent(name)) is not None}
-    heads_norms = _heads_norms(facts, head_local, colwise)
-    head_local = [name for name in head_local if name not in latent and name not in heads_norms]
-    _refuse_unplanned_projections(model, head_local)
-    head_name = facts.head
-    styles: dict[str, StyleChoice] = {}
-    for name in hook_parents:
-        styles[name] = StyleChoice(StyleKind.PREPARE_INPUT, sequence_sharded=sp,
-                                   head_parameters=_head_parameters(name, model.get_submodule(name), tp, facts))
-    for name, module in colwise.items():
-        prepared = _parent(name) in hook_parents
-        choice = _colwise_choice(module, sequence_input=sp and not prepared,
-                                 vocab_shards=name == loss_head, gather_output=name == head_name)
-        styles.update(_lora_colwise_styles(name, module, choice, prepared) if is_lora_linear(module)
-                      else {name: choice})
-    for name, module in rowwise.items():
-        embedding = isinstance(module, nn.Embedding)
-        choice = StyleChoice(StyleKind.ROWWISE, embedding=embedding, sequence_sharded=sp and not embedding)
-        styles.update(_lora_rowwise_styles(name, module, choice) if is_lora_linear(module) else {name: choice})
-    for name in sequence:
-        styles[name] = StyleChoice(StyleKind.SEQUENCE_PARALLEL)
-    for name in head_local:
-        styles[name] = StyleChoice(StyleKind.HEAD_LOCAL)
-    for name in heads_norms:
-        styles[name] = StyleChoice(StyleKind.HEADS_NORM)
-    for name, known in latent.items():
-        styles[name] = _latent_choice(model, name, known)
+    beside_the_heads = _beside_the_heads(model, keep, facts, colwise, planned, hook_parents)  # refuses first
+    styles = {**_split_styles(model, matches, hook_parents, loss_head, facts, tp), **beside_the_heads}
     # A split sparse attention's indexer is whole on every rank, reading the prepared input (it
     # picks keys for every head; its forward computes no gradient)
     for name in facts.indexers:
@@ -392,6 +364,49 @@ def _choose_styles(model: nn.Module, plan: TPPlanConfig, matches: _Matches, loss
     for name in whole:
         styles[name] = StyleChoice(StyleKind.WHOLE_GATHERED if sequence_local(name) else StyleKind.WHOLE)
     _replicate_the_rest(model, styles, set(colwise) | set(rowwise), sequence_local, keep, whole)
+    return styles
+
+
+def _split_styles(model: nn.Module, matches: _Matches, hook_parents: list[str], loss_head: str | None,
+                  facts: ModelFacts, tp: int) -> dict[str, StyleChoice]:
+    """The styles of what the plan names: the prepared inputs of split attentions (with their
+    per-head parameters), colwise and rowwise projections, and the sequence-parallel modules."""
+    sp = bool(matches.sequence)
+    styles: dict[str, StyleChoice] = {}
+    for name in hook_parents:
+        styles[name] = StyleChoice(StyleKind.PREPARE_INPUT, sequence_sharded=sp,
+                                   head_parameters=_head_parameters(name, model.get_submodule(name), tp, facts))
+    for name, module in matches.colwise.items():
+        prepared = _parent(name) in hook_parents
+        choice = _colwise_choice(module, sequence_input=sp and not prepared,
+                                 vocab_shards=name == loss_head, gather_output=name == facts.head)
+        styles.update(_lora_colwise_styles(name, module, choice, prepared) if is_lora_linear(module)
+                      else {name: choice})
+    for name, module in matches.rowwise.items():
+        embedding = isinstance(module, nn.Embedding)
+        choice = StyleChoice(StyleKind.ROWWISE, embedding=embedding, sequence_sharded=sp and not embedding)
+        styles.update(_lora_rowwise_styles(name, module, choice) if is_lora_linear(module) else {name: choice})
+    for name in matches.sequence:
+        styles[name] = StyleChoice(StyleKind.SEQUENCE_PARALLEL)
+    return styles
+
+
+def _beside_the_heads(model: nn.Module, keep: Callable[[str, nn.Module], bool], facts: ModelFacts,
+                      colwise: dict[str, nn.Module], planned: set[str],
+                      hook_parents: list[str]) -> dict[str, StyleChoice]:
+    """The unplanned leaves of a split attention, beside its heads: latents every head reads
+    (whole), norms over every head's channels (split with the heads), and the rest (local to
+    this rank's heads; a projection among them is refused)."""
+    head_local = [name for name, module in model.named_modules()
+                  if name and keep(name, module) and name not in planned and _parent(name) in hook_parents
+                  and _own_params(module) and not _children_own_params(module)]
+    latent = {name: known for name in head_local if (known := facts.latent(name)) is not None}
+    heads_norms = _heads_norms(facts, head_local, colwise)
+    head_local = [name for name in head_local if name not in latent and name not in heads_norms]
+    _refuse_unplanned_projections(model, head_local)
+    styles = {name: StyleChoice(StyleKind.HEAD_LOCAL) for name in head_local}
+    styles.update({name: StyleChoice(StyleKind.HEADS_NORM) for name in heads_norms})
+    styles.update({name: _latent_choice(model, name, known) for name, known in latent.items()})
     return styles
 
 
