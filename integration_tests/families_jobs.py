@@ -14,20 +14,28 @@ DISPATCHERS = ("eager", "fused", "mc2", "domino")
 
 
 def _ep(dispatcher: str) -> dict:
-    # world 4, EP 2: the experts are also sharded over the other pair (efsdp 2)
+    # at 4 ranks the experts are also sharded over the other pair (efsdp 2); at 2 the dense
+    # layers are FSDP=2
     return {"expert_parallel_size": 2, "ep_plan": {"apply_modules": MOE, "dispatcher": dispatcher}}
 
 
 CASES: dict[str, tuple[str, dict]] = {}
-RECOMPUTE_CHUNK_LOSS = {"fully_shard_parallel_size": 4, "recompute": True, "recompute_policy": "full",
+# Each case's world: 2 ranks where the layout needs no more (on the suite's 2 cores a case at 4
+# ranks costs about six times one at 2), else 4. EP with expert FSDP under every dispatcher stays
+# at 4 ranks for gpt-oss in MXFP8 (below), and for DeepSeek-V3's fused dispatcher.
+WORLD: dict[str, int] = {}
+RECOMPUTE_CHUNK_LOSS = {"fully_shard_parallel_size": 2, "recompute": True, "recompute_policy": "full",
                        "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12}}
 for _kind in ("qwen3_next", "qwen3_5_moe"):
-    CASES[f"{_kind} fsdp4"] = (_kind, {"fully_shard_parallel_size": 4})
+    CASES[f"{_kind} fsdp2"] = (_kind, {"fully_shard_parallel_size": 2})
     for _dispatcher in DISPATCHERS:
         CASES[f"{_kind} ep2 {_dispatcher}"] = (_kind, _ep(_dispatcher))
+        WORLD[f"{_kind} ep2 {_dispatcher}"] = 2
     CASES[f"{_kind} fsdp4 mxfp8"] = (_kind, {"fully_shard_parallel_size": 4, "quantization_plan": MX_PLAN})
+    WORLD[f"{_kind} fsdp2"] = 2
 for _kind in ("qwen3_next", "qwen3_5_moe", "gpt_oss", "deepseek_v3"):
-    CASES[f"{_kind} fsdp4 recompute full + chunk loss"] = (_kind, RECOMPUTE_CHUNK_LOSS)
+    CASES[f"{_kind} fsdp2 recompute full + chunk loss"] = (_kind, RECOMPUTE_CHUNK_LOSS)
+    WORLD[f"{_kind} fsdp2 recompute full + chunk loss"] = 2
 # TP on the full-attention layers; the Gated DeltaNet layers kept whole (on the gathered sequence under SP)
 ATTENTION_TP = {"colwise_parallel": ["*.self_attn.q_proj", "*.self_attn.k_proj", "*.self_attn.v_proj"],
                 "rowwise_parallel": ["*.self_attn.o_proj"]}
@@ -59,6 +67,10 @@ CASES["gpt_oss cp4 hybrid"] = ("gpt_oss", {"context_parallel_size": 4,
 CASES["gpt_oss fsdp4 mxfp8"] = ("gpt_oss", {"fully_shard_parallel_size": 4, "quantization_plan": MX_PLAN})
 for _dispatcher in DISPATCHERS:
     CASES[f"gpt_oss ep2 {_dispatcher} mxfp8"] = ("gpt_oss", {**_ep(_dispatcher), "quantization_plan": MX_PLAN})
+
+
+# One launch per world size: one per worker of the suite
+LAUNCHES = {f"{world} ranks": [name for name in CASES if WORLD.get(name, 4) == world] for world in (2, 4)}
 
 
 def reference_runs(kinds: list[str]) -> dict:

@@ -37,8 +37,7 @@ RECOMPUTE_CHUNK_LOSS = {"recompute": True, "recompute_policy": "full", "chunk_lo
 
 
 def _ep(kind: str, dispatcher: str) -> dict:
-    # at 2 ranks the dense layers are FSDP=2; at 4 ranks the experts are also sharded over the
-    # other pair (efsdp 2)
+    # at 2 ranks: the dense layers FSDP=2, each rank half of the experts
     return {"expert_parallel_size": 2,
             "ep_plan": {"apply_modules": EXPERTS.get(kind, ["*mlp.experts"]), "dispatcher": dispatcher}}
 
@@ -55,17 +54,19 @@ def _cp(mode: str, size: int = 2, world: int = 4, **extra) -> dict:
     return {"context_parallel_size": size, "fully_shard_parallel_size": world // size, "cp_plan": plan}
 
 
-# Each case's world: 2 ranks where the layout needs no more (a 4-rank run on the suite's 2 cores
-# costs about three times as much); 4 for FSDP x TP, EP x expert FSDP and hybrid CP.
+# Each case's world: 2 ranks where the layout needs no more (a case at 4 ranks on the suite's 2 cores
+# costs about four times one at 2); 4 for FSDP x TP and hybrid CP.
 WORLD: dict[str, int] = {}
 
 
 def family_cases(kind: str, *, moe: bool = True, cp_modes: tuple[str, ...] = ("ulysses", "ring", "hybrid"),
                  tp: bool = True) -> dict[str, tuple[str, dict]]:
     """Every layout a family goes through; CP modes its attention allows. At 2 ranks: EP=2 under
-    every dispatcher, CP=2 (Ulysses, ring), FSDP=2 with full recompute and the chunked loss; at 4
-    ranks: FSDP=2 x TP=2 with sequence parallel, hybrid CP=4, MXFP8 at EP=2 x expert FSDP=2 (a
-    dense family: at FSDP=4). Plain FSDP is in every layout."""
+    every dispatcher, CP=2 (Ulysses, ring), FSDP=2 with full recompute and the chunked loss, MXFP8
+    at EP=2 (a dense family: at FSDP=2); at 4 ranks: FSDP=2 x TP=2 with sequence parallel, hybrid
+    CP=4. Plain FSDP is in every layout. (Expert FSDP under MXFP8 is family-agnostic: the expert
+    shards are gathered before MX quantizes them; test_integ_families runs it under every
+    dispatcher, test_integ_matrix beside TP.)"""
     two, four = {}, {}
     if moe:
         two.update({f"{kind} ep2 {d}": (kind, _ep(kind, d)) for d in DISPATCHERS})
@@ -79,9 +80,9 @@ def family_cases(kind: str, *, moe: bool = True, cp_modes: tuple[str, ...] = ("u
     if tp:
         four[f"{kind} fsdp2 x tp2 sp"] = (kind, _tp(kind, sequence_parallel=True))
     if moe:
-        four[f"{kind} ep2 x efsdp2 fused mxfp8"] = (kind, {**_ep(kind, "fused"), "quantization_plan": MX_PLAN})
+        two[f"{kind} ep2 fused mxfp8"] = (kind, {**_ep(kind, "fused"), "quantization_plan": MX_PLAN})
     else:
-        four[f"{kind} fsdp4 mxfp8"] = (kind, {"fully_shard_parallel_size": 4, "quantization_plan": MX_PLAN})
+        two[f"{kind} fsdp2 mxfp8"] = (kind, {"fully_shard_parallel_size": 2, "quantization_plan": MX_PLAN})
     WORLD.update({**dict.fromkeys(two, 2), **dict.fromkeys(four, 4)})
     return {**two, **four}
 

@@ -2,39 +2,51 @@
 float32, 4 AdamW steps: Qwen3-Next and Qwen3.5-MoE (Gated DeltaNet and softmax layers; MoE
 layers with a shared expert), DeepSeek-V3 (MLA: Ulysses and ring CP, EP, TP with sequence
 parallel) and gpt-oss (sliding-window layers and sinks: Ulysses, ring with zig-zag and with
-contiguous chunks, hybrid; MXFP8 with FSDP and with EP under every dispatcher). Every case
-runs in ONE 4-rank launch (about 35 s on 2 cores); each step's loss rtol 1e-5, the first
-step's gradients rtol 1e-4 / atol 1e-6, unless a case states otherwise (MXFP8)."""
+contiguous chunks, hybrid; MXFP8 with FSDP and with EP under every dispatcher). The cases run
+in two launches, one of 2 ranks (the layouts that need no more) and one of 4 (see
+``families_jobs.WORLD``), each on one worker; each step's loss rtol 1e-5, the first step's
+gradients rtol 1e-4 / atol 1e-6, unless a case states otherwise (MXFP8)."""
 
 import pytest
 import torch
-from families_jobs import CASES, families_run, mx_converted, reference_runs
+from families_jobs import CASES, LAUNCHES, families_run, mx_converted, reference_runs
 
 from fsdp_turbo.cli.names import compress_names
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 from fsdp_turbo.core.testing.parity import sqnr_db
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("integ_families")]  # one worker: the launch runs once
+pytestmark = pytest.mark.multirank
 
 # MLA under TP: the latent modules stay whole (turbo-distributed test_dist_tp_gpt_oss.py plans them);
 # the rotary key its kv_a_proj_with_mqa makes for every head gets its gradient summed over TP
 
 
 @pytest.fixture(scope="module")
-def launch():
-    """One 4-rank launch for every case, and the one-process references."""
-    references = run_reference(reference_runs, sorted({kind for kind, _ in CASES.values()}), timeout=300)
-    return references, run_distributed(families_run, 4, list(CASES), timeout=600)
+def launches():
+    """Each launch's results, made by the first test of that launch on this worker."""
+    return {}
 
 
-def _case_params():
-    return [name for name, (_, config) in CASES.items() if "quantization_plan" not in config]
+def _launch(launches, group):
+    """One launch (the group's ranks) for its cases, and the one-process references."""
+    if group not in launches:
+        names = LAUNCHES[group]
+        references = run_reference(reference_runs, sorted({CASES[name][0] for name in names}), timeout=300)
+        launches[group] = references, run_distributed(families_run, int(group.split()[0]), names, timeout=600)
+    return launches[group]
 
 
-@pytest.mark.parametrize("case", _case_params())
-def test_family_matches_one_process(launch, case):
-    references, records = launch
+def _cases(mx: bool):
+    """The cases, each marked with its launch's xdist group (one worker per launch)."""
+    return [pytest.param(group, name, id=name, marks=pytest.mark.xdist_group(f"integ_families_{group.split()[0]}"))
+            for group, names in LAUNCHES.items() for name in names
+            if ("quantization_plan" in CASES[name][1]) == mx]
+
+
+@pytest.mark.parametrize("group, case", _cases(mx=False))
+def test_family_matches_one_process(launches, group, case):
+    references, records = _launch(launches, group)
     kind, _ = CASES[case]
     for record in records:
         assert_parity(references[kind], record[case], loss_rtol=1e-5, grad_rtol=1e-4, grad_atol=1e-6)
@@ -59,18 +71,14 @@ def test_family_mx_conversion(kind):
     assert not any("shared_expert_gate" in name or "in_proj_b" in name or name == "lm_head" for name in converted)
 
 
-def _mx_cases():
-    return [name for name, (_, config) in CASES.items() if "quantization_plan" in config]
-
-
-@pytest.mark.parametrize("case", _mx_cases())
-def test_family_mxfp8(launch, case):
+@pytest.mark.parametrize("group, case", _cases(mx=True))
+def test_family_mxfp8(launches, group, case):
     """MXFP8 Linear layers and experts, against the one-process emulated-MX model. As in the
     composition matrix: the first loss is exact (rtol 1e-5); expert gradients quantize each
     expert's tokens, grouped differently on each rank (at least 30 dB SQNR, measured 31.4 on
     Qwen3-Next); other gradients rtol 1e-4 / atol 1e-6; all four losses rtol 2e-3 (measured 3.6e-4)."""
     kind, _ = CASES[case]
-    references, records = launch
+    references, records = _launch(launches, group)
     reference = references[f"{kind} mx"]
     for record in records:
         candidate = record[case]

@@ -1,14 +1,14 @@
 """The newest model families (issue 42) through every feature, against the single-process reference,
-float32, 4 AdamW steps, in two launches, one of 2 ranks and one of 4 (on 2 cores a 4-rank launch
-costs about three times a 2-rank one; each launch runs on one worker): GLM-4-MoE, MiniMax-M2 (q/k
+float32, 4 AdamW steps, in two launches, one of 2 ranks and one of 4 (on 2 cores a case at 4 ranks
+costs about four times one at 2; each launch runs on one worker): GLM-4-MoE, MiniMax-M2 (q/k
 norms over every head), Gemma 4 (sliding and global layers with their own head dim, keys doubling as
 values, layers reusing earlier keys and values, per-layer token inputs, MoE beside the MLP), Llama 4
 (chunked attention, temperature-tuned NoPE layers, experts called through the routed form); Kimi
 Linear (KDA linear attention and MLA without rotary), DeepSeek-V3.2 and GLM-MoE-DSA (DeepSeek Sparse
 Attention's indexer), DeepSeek-V4 (compressed attention, hash routing, hyper-connections). Each:
 EP=2 under every dispatcher, FSDP2 x TP2 with sequence parallel, CP (Ulysses; ring and hybrid where
-the attention allows), FSDP=2 with full recompute and the chunked loss, MXFP8 at EP=2 x expert
-FSDP=2 (see ``new_families_jobs.family_cases`` for which layouts run at 2 ranks and which at 4).
+the attention allows), FSDP=2 with full recompute and the chunked loss, MXFP8 at EP=2 (see
+``new_families_jobs.family_cases`` for which layouts run at 2 ranks and which at 4).
 
 Each step's loss rtol 1e-5; the first step's gradients rtol 1e-4 / atol 1e-6 (Gemma 4: 4e-6, see
 ``GRAD_ATOL``; its float64 cases at 1e-6). MXFP8 is compared step by step (the one-process
