@@ -6,12 +6,20 @@ import pytest
 import torch
 from torch import nn
 
+from fsdp_turbo.core.choices import published_choices
 from fsdp_turbo.core.testing.models import ExpertMLPList, tiny_hf_causal_lm, to_expert_lists
+from fsdp_turbo.distributed.choices import EP_DISPATCHERS
 from fsdp_turbo.distributed.expert_parallel import DISPATCHERS, ExpertGroup, expert_adapter, make_expert_parallel
 from fsdp_turbo.distributed.expert_parallel.experts import ExpertList, FusedExperts
 from fsdp_turbo.distributed.expert_parallel.routing import build_route, count_tokens, inverse_permutation
 
 pytest.importorskip("transformers")
+
+
+def test_the_published_dispatcher_names_are_the_dispatchers():
+    """The config checks ``ep_plan.dispatcher`` against the published names without importing the
+    dispatchers; those names are exactly the dispatchers there are."""
+    assert tuple(DISPATCHERS) == EP_DISPATCHERS == published_choices("ep_plan.dispatcher")
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3"])
