@@ -302,6 +302,43 @@ def test_lora_experts_form_is_peft_math_on_all_and_on_local_experts(dispatcher):
         assert not torch.allclose(out, expected, atol=1e-3)
 
 
+def test_lora_on_gpt_oss_experts_matches_peft():
+    """PEFT LoRA on gpt-oss's transposed, biased experts (``target_parameters``): the fused
+    dispatcher's folded weights give PEFT's own output and adapter gradients (EP=1, one process)."""
+    import copy
+
+    import peft
+    import torch
+
+    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+    from fsdp_turbo.distributed.expert_parallel import ExpertGroup, expert_adapter, make_expert_parallel
+
+    model = peft.get_peft_model(tiny_hf_causal_lm("gpt_oss"), peft.LoraConfig(
+        r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        init_lora_weights=False))
+    experts = model.base_model.model.model.layers[0].mlp.experts
+    adapter = expert_adapter(experts)
+    assert type(adapter).__name__ == "LoraExperts" and adapter.transposed
+    generator = torch.Generator().manual_seed(2)  # 48 tokens, each to 2 distinct of the 8 experts
+    x = torch.randn(48, 64, generator=generator)
+    index = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(48)])
+    weights = torch.rand(48, 2, generator=generator).softmax(-1)
+
+    def forward_backward(module):
+        inputs, routing = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = module(inputs, index, routing)
+        (out * torch.linspace(-1.0, 1.0, out.shape[-1])).sum().backward()
+        grads = {f"grad {n}": p.grad for n, p in module.named_parameters() if p.requires_grad}
+        return {"out": out.detach(), "grad x": inputs.grad, "grad weights": routing.grad, **grads}
+
+    expected = forward_backward(copy.deepcopy(experts))
+    got = forward_backward(make_expert_parallel(copy.deepcopy(experts), ExpertGroup(adapter, 8, 1, None), 0, "fused"))
+    assert any("lora_A" in name for name in expected) and set(got) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6 * float(value.abs().max()),
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.multirank
 def test_lora_on_attention_and_experts_at_ep2_x_efsdp2_every_dispatcher():
     """Qwen3-MoE at EP=2 x efsdp 2 (4 ranks), LoRA on the attention and on every expert's fused
