@@ -78,6 +78,16 @@ def _load(path_key: str, says: str) -> Case:
     return Case("checkpoint", run, says, "CheckpointError")
 
 
+def _resume_from(path_key: str, says: str) -> Case:
+    """``--resume auto`` in an output folder whose training checkpoint is crafted (the worker's call)."""
+    def run(inputs: dict) -> None:
+        from fsdp_turbo.cli.checkpoint import resolve_resume
+
+        resolve_resume("auto", inputs[path_key], "run-fresh")
+
+    return Case("checkpoint", run, says, "CheckpointError")
+
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sft_tiny"
 
 
@@ -293,6 +303,8 @@ CASES: dict[str, Case] = {
     "checkpoint: missing tensor": _load("missing_tensor", "1 missing"),
     "checkpoint: index names a file above the folder": _load("index_up", "'../outside.safetensors' is invalid"),
     "checkpoint: index names an absolute path": _load("index_absolute", "outside.safetensors' is invalid"),
+    "checkpoint: run name climbs out of the output": _resume_from("run_up", "meta.json run='../..'"),
+    "checkpoint: run name is an absolute path": _resume_from("run_absolute", "never a path"),
     # runtime misuse
     "runtime: meta model used before loading": Case("runtime", _meta_forward, "has no weights yet",
                                                     "NotMaterializedError"),
@@ -348,9 +360,21 @@ def prepare_checkpoints(root: Path) -> dict[str, str]:
     outside = root / "outside.safetensors"
     paths["index_up"] = str(_index_escapes(good, root / "index_up", outside, "../outside.safetensors"))
     paths["index_absolute"] = str(_index_escapes(good, root / "index_absolute", outside, str(outside)))
+    paths["run_up"] = str(_crafted_run(root / "run_up", "../.."))
+    paths["run_absolute"] = str(_crafted_run(root / "run_absolute", str(root / "elsewhere")))
     (root / "job.json").write_text("{}")
     paths["data"] = str(prepare_data(root / "data"))
     return paths
+
+
+def _crafted_run(output: Path, run: str) -> Path:
+    """An output folder whose one training checkpoint says, in its meta.json, that it belongs to ``run``."""
+    import json
+
+    step = output / "checkpoints" / "run-20260101-000000-abcdef" / "step-4"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps({"run": run, "step": 4, "saved_at": 0.0}))
+    return output
 
 
 def _index_escapes(good: Path, folder: Path, outside: Path, entry: str) -> Path:

@@ -52,6 +52,9 @@ from fsdp_turbo.core.logging import get_logger
 
 _log = get_logger(__name__)
 _STEP = re.compile(r"^step-(\d+)$")
+# A run id names a folder under OUTPUT/checkpoints: one plain name (what new_run_id makes, or an
+# older version's), never a path. It is read back from meta.json, which is data from disk.
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 META = "meta.json"
 CHECKPOINTS = "checkpoints"
 
@@ -88,12 +91,25 @@ def read_meta(folder: Path) -> dict[str, Any]:
     return meta
 
 
+def _run_name(meta: dict[str, Any], folder: Path, default: str) -> str:
+    """The run a checkpoint belongs to, from its ``meta.json``: one plain folder name. A resumed
+    run saves under ``OUTPUT/checkpoints/RUN``, so a name such as ``../..`` or ``/etc`` would
+    send its writes and deletes outside the output folder."""
+    run = meta.get("run", default)
+    if not isinstance(run, str) or not _RUN_NAME.match(run) or _STEP.match(run) or set(run) == {"."}:
+        raise CheckpointError(f"{META} run", run, f"delete {folder} (or move it away), or set its \"run\" "
+                              "to one plain folder name (letters, digits, '.', '_', '-'), such as the name of "
+                              "the folder it is in", reason="a run is a folder under OUTPUT/checkpoints, never "
+                              "a path")
+    return run
+
+
 def _saved(path: Path, run: str) -> Saved | None:
     match = _STEP.match(path.name)
     if not match or not (path / META).is_file():
         return None
     meta = read_meta(path)
-    return Saved(path, str(meta.get("run", run)), int(match.group(1)), float(meta.get("saved_at", 0.0)))
+    return Saved(path, _run_name(meta, path, run), int(match.group(1)), float(meta.get("saved_at", 0.0)))
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Saved]:
