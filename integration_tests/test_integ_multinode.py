@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_integ_cli import TIMING, assert_same_weights, metrics, weights, with_data_cache
+from test_integ_cli import assert_same_weights, metrics, untimed, weights, with_data_cache
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("multinode")]
@@ -154,10 +154,6 @@ LOSE_NODE_1 = {"FSDP_TURBO_FAULTS": "stop@5:*"}
 
 def losses(output) -> list[float]:
     return [row["loss"] for row in metrics(output)]
-
-
-def untimed(rows):
-    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,16 @@ loaded with ``weights_only``) and ``meta.json`` (run, step, scheduler, data posi
   rank 0 add ``meta.json``, flush everything to disk and rename the folder. A crash
   mid-save leaves a ``.partial`` folder that resume ignores. A folder being replaced is
   moved aside first and deleted only once the new one is in place.
+- **In the background** (``checkpoint.async_save``): a save returns once each rank has copied
+  its shards to host memory, and is written while training goes on, at most one at a time
+  (``fsdp_turbo.checkpoint.training``). Retention runs once the new checkpoint is complete, so
+  it never deletes one still being written; the job waits for the last save before it ends.
 - **Data, never code.** DCP's metadata and non-tensor values are read through
   ``fsdp_turbo.checkpoint.safe_dcp`` (an allow-list, ``weights_only``); ``meta.json`` is JSON.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import re
@@ -33,18 +36,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
-from fsdp_turbo.checkpoint import safe_dcp
-from fsdp_turbo.checkpoint.atomic import fsync_tree, move_into_place
-from fsdp_turbo.checkpoint.strided import for_dcp, from_dcp
+from fsdp_turbo.checkpoint import training
+from fsdp_turbo.checkpoint.training import (
+    META,
+    TrainingCheckpointer,
+    read_trainable_state,
+    write_trainable_state,
+)
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.device import get_rng_state, set_rng_state
 from fsdp_turbo.core.errors import CheckpointError
@@ -55,8 +54,9 @@ _STEP = re.compile(r"^step-(\d+)$")
 # A run id names a folder under OUTPUT/checkpoints: one plain name (what new_run_id makes, or an
 # older version's), never a path. It is read back from meta.json, which is data from disk.
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-META = "meta.json"
 CHECKPOINTS = "checkpoints"
+__all__ = ["CHECKPOINTS", "META", "Resume", "Saved", "complete_checkpoints", "load_checkpoint", "new_run_id",
+           "read_meta", "read_trainable_state", "resolve_resume", "save_checkpoint", "write_trainable_state"]
 
 
 @dataclass(frozen=True)
@@ -69,25 +69,18 @@ class Saved:
     saved_at: float  # seconds since the epoch, from meta.json
 
 
-# Frozen parameters (a LoRA model's base) never change: the job's source holds them, so
-# checkpoints are the trainable parameters and their optimizer state only.
-TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
-
-
 def new_run_id() -> str:
     return f"run-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
-    """``meta.json`` of a checkpoint folder (JSON: data only)."""
-    path = folder / META
+    """``meta.json`` of a checkpoint folder (JSON: data only), with its step."""
+    meta = training.read_meta(folder)
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
         int(meta["step"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(META, str(path), f"delete {folder} (or move it away) and resume from another "
-                              "checkpoint", reason=f"it cannot be read as this project's checkpoint "
-                              f"metadata ({type(error).__name__}: {error})") from None
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(META, str(folder / META), f"delete {folder} (or move it away) and resume from another "
+                              "checkpoint", reason=f"it names no step ({type(error).__name__}: {error})") from None
     return meta
 
 
@@ -168,61 +161,27 @@ def _retire(output_dir: Path, run: str, keep: int) -> None:
         shutil.rmtree(old.path, ignore_errors=True)
 
 
-def write_trainable_state(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """DCP-save the trainable parameters and their optimizer state into ``folder``, sharded: each
-    rank writes its own shards. Every rank calls this."""
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
-    dcp.save(for_dcp({"model": model_state, "optimizer": optimizer_state}), checkpoint_id=str(folder))
-
-
-def read_trainable_state(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Load what :func:`write_trainable_state` wrote, at this job's layout (DCP reshards), as data
-    only (``safe_dcp``); without ``optimizer``, the parameters alone. Every rank calls this."""
-    if optimizer is None:
-        model_state = get_model_state_dict(model, options=TRAINABLE_ONLY)
-        original = {"model": model_state}
-    else:
-        model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
-        original = {"model": model_state, "optimizer": optimizer_state}
-    state = for_dcp(original)  # LoRA experts' strided shards as plain-sharded views (checkpoint.strided)
-    safe_dcp.load(state, Path(folder))
-    state = from_dcp(state, original)
-    # not strict: the frozen parameters are absent by design (safe_dcp.load has already
-    # refused a checkpoint lacking any trainable one)
-    loose = StateDictOptions(ignore_frozen_params=True, strict=False)
-    if optimizer is None:
-        set_model_state_dict(model, state["model"], options=loose)
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=loose)
-
-
-def save_checkpoint(output_dir: str | Path, run: str, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, extra: dict[str, Any], keep: int,
-                    device: torch.device, crash_after_shards: bool = False) -> Path:
-    """Every rank calls this; returns the final folder. ``crash_after_shards``: fault
+def save_checkpoint(saver: TrainingCheckpointer, output_dir: str | Path, run: str, step: int,
+                    model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], keep: int,
+                    crash_after_shards: bool = False) -> Path:
+    """Every rank calls this; returns the final folder, complete on return, or once ``saver``'s
+    background write is done (``checkpoint.async_save``). ``crash_after_shards``: fault
     injection (``cli.faults``), exit once the shards are written, before the rename."""
-    folder = Path(output_dir) / CHECKPOINTS / run
-    final, partial = folder / f"step-{step}", folder / f"step-{step}.partial"
+    folder = Path(output_dir) / CHECKPOINTS / run / f"step-{step}"
     rank = dist.get_rank() if dist.is_initialized() else 0
-    with every_rank_or_none("save_checkpoint", device):
-        if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # left by a crash
-            partial.mkdir(parents=True)
-    write_trainable_state(partial, model, optimizer)
-    with every_rank_or_none("save_checkpoint", device):
-        torch.save(get_rng_state(device.type), partial / f"rng-rank{rank}.pt")
-    if crash_after_shards:
+    device_type = saver.device.type
+
+    def rng_states(partial: Path) -> None:
+        torch.save(get_rng_state(device_type), partial / f"rng-rank{rank}.pt")
+
+    def crash() -> None:
         _log.warning(f"fault injection: exiting mid-save of step {step}", all_ranks=True)
         os._exit(17)
-    with every_rank_or_none("save_checkpoint", device):
-        if rank == 0:
-            meta = {"run": run, "step": step, "saved_at": time.time(), **extra}
-            (partial / META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
-            fsync_tree(partial)  # every rank's files and the folder itself are on disk before the rename
-            move_into_place(partial, final)
-            _retire(Path(output_dir), run, keep)
-    return final
+
+    saver.save(folder, model, optimizer, {"run": run, "step": step, "saved_at": time.time(), **extra},
+               rank_files=rng_states, before_complete=crash if crash_after_shards else None,
+               on_complete=lambda _: _retire(Path(output_dir), run, keep))
+    return folder
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

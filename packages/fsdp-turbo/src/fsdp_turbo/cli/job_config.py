@@ -412,10 +412,16 @@ class CheckpointSection(ConfigSection):
     keep: int = 3
     """The most checkpoints of this run kept; older ones of the same run are deleted once a
     new one is complete; other runs' are never touched (an integer >= 1; default 3)."""
+    async_save: bool = False
+    """Write each checkpoint in the background while training goes on: a save returns once every
+    rank has copied its shards to host memory (pinned on GPUs), at most one save is in flight, the
+    step's folder appears complete only once written, and the job waits for the last one before
+    it ends (default false: the loop waits for each save)."""
 
     def __post_init__(self) -> None:
         check_int(self.save_every, "checkpoint.save_every", minimum=0)
         check_int(self.keep, "checkpoint.keep", minimum=1)
+        check_bool(self.async_save, "checkpoint.async_save")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_turbo.checkpoint import materialize, save_pretrained
+from fsdp_turbo.checkpoint import TrainingCheckpointer, materialize, save_pretrained
 from fsdp_turbo.cli import faults as fault_injection
 from fsdp_turbo.cli.checkpoint import Resume, load_checkpoint, new_run_id, resolve_resume, save_checkpoint
 from fsdp_turbo.cli.data import Batch, EvalSet, JobData, TrainStream, load_data
@@ -110,6 +110,7 @@ class Session:
     sizes: JobSizes
     flops_per_token: float
     hooks: fault_injection.Hooks
+    saver: TrainingCheckpointer  # sync, or one save at a time in the background (checkpoint.async_save)
     start: int = 0  # the last step already done (0 for a fresh start)
     skipped: int = 0
     metrics: MetricsLog | None = None  # rank 0
@@ -229,8 +230,10 @@ def _setup(job: JobConfig, resume: str, sizes: JobSizes, hooks: fault_injection.
     point = _resume_point(job, resume, device)
     _weights(job, model, point)
     optimizer, scheduler = _optimizer(job, model)
+    saver = TrainingCheckpointer(async_save=job.checkpoint.async_save, device=device,
+                                 timeout_s=job.run.collective_timeout_s)
     session = Session(job, model, optimizer, scheduler, data.train, data.eval, model.parallel_state, device,
-                      point.run, sizes, tokens_flops, hooks)
+                      point.run, sizes, tokens_flops, hooks, saver)
     _resume(session, point)
     _check_eval(session)
     _open_logs(session)
@@ -340,8 +343,8 @@ def _save(session: Session, step: int) -> None:
     loader, state = session.loader, session.state
     extra = {"scheduler": session.scheduler.state_dict(), "data": loader.state_dict(),
              "world_size": state.world_size, "layout": state.describe(), "skipped_steps": session.skipped}
-    save_checkpoint(session.job.output_dir, session.run_id, step, session.model, session.optimizer, extra,
-                    session.job.checkpoint.keep, session.device, **session.hooks.save_options(step))
+    save_checkpoint(session.saver, session.job.output_dir, session.run_id, step, session.model, session.optimizer,
+                    extra, session.job.checkpoint.keep, **session.hooks.save_options(step))
 
 
 def _loop(session: Session, last: int) -> None:
@@ -354,6 +357,7 @@ def _loop(session: Session, last: int) -> None:
         session.hooks.after_step(step, session.state.rank)
         if _save_due(job, step, last):
             _save(session, step)
+    session.saver.close()  # the last checkpoint is complete before the job goes on or ends
     shown.close()
     if session.board is not None:
         session.board.close()

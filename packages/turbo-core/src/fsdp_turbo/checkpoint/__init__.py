@@ -11,10 +11,16 @@ load_pretrained(model, "path/to/hf_dir")      # or init_weights(model, seed=0)
 ...
 save_pretrained(model, "out/final")
 ```
+
+Training checkpoints (the trainable parameters and their optimizer state, sharded, atomic,
+optionally written in the background): ``TrainingCheckpointer`` and ``load_training_checkpoint``
+(``fsdp_turbo.checkpoint.training``).
 """
 
 from fsdp_turbo.checkpoint.init import init_weights, materialize
 from fsdp_turbo.checkpoint.load import LoadReport, load_pretrained
 from fsdp_turbo.checkpoint.save import save_pretrained
+from fsdp_turbo.checkpoint.training import TrainingCheckpointer, load_training_checkpoint
 
-__all__ = ["LoadReport", "init_weights", "load_pretrained", "materialize", "save_pretrained"]
+__all__ = ["LoadReport", "TrainingCheckpointer", "init_weights", "load_pretrained", "load_training_checkpoint",
+           "materialize", "save_pretrained"]

@@ -37,19 +37,21 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def agree(what: str, failure: BaseException | None, device: torch.device | str = "cpu") -> None:
+def agree(what: str, failure: BaseException | None, device: torch.device | str = "cpu",
+          group: dist.ProcessGroup | None = None) -> None:
     """Every rank calls this with its own outcome; raises on every rank when any failed
     (the failing rank its own error). Costs one all-reduce of one number; a second
-    exchange (of the failing rank's message) only when something failed."""
+    exchange (of the failing rank's message) only when something failed. ``group``: where to
+    agree (the default group; a thread of its own needs a group of its own)."""
     if _distributed():
         # The lowest failing rank wins: 1 + (world - rank), so MAX picks the smallest rank.
-        world, rank = dist.get_world_size(), dist.get_rank()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
         flag = torch.tensor([0 if failure is None else 1 + world - rank], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if flag.item():
             first = world + 1 - int(flag.item())
             messages: list[str | None] = [None] * world
-            dist.all_gather_object(messages, None if failure is None else describe(failure))
+            dist.all_gather_object(messages, None if failure is None else describe(failure), group=group)
             if failure is None:
                 raise PeerFailure(what, first, messages[first] or "(no message)")
     if failure is not None:
@@ -57,7 +59,8 @@ def agree(what: str, failure: BaseException | None, device: torch.device | str =
 
 
 @contextmanager
-def every_rank_or_none(what: str, device: torch.device | str = "cpu") -> Iterator[None]:
+def every_rank_or_none(what: str, device: torch.device | str = "cpu",
+                       group: dist.ProcessGroup | None = None) -> Iterator[None]:
     """Run a rank's local part of a step every rank takes; if any rank fails, every rank
     raises (see ``agree``), so no rank walks on into a collective the others never reach."""
     failure: BaseException | None = None
@@ -65,4 +68,4 @@ def every_rank_or_none(what: str, device: torch.device | str = "cpu") -> Iterato
         yield
     except Exception as error:  # re-raised by ``agree``, after the other ranks have heard of it
         failure = error
-    agree(what, failure, device)
+    agree(what, failure, device, group)
