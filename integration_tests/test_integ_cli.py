@@ -221,6 +221,45 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint(saving, job_file, 
     assert sorted(int(p.name.split("-")[1]) for p in run.glob("step-*") if (p / "meta.json").is_file()) == [2, 4, 6]
 
 
+def test_a_preemption_signal_saves_the_step_and_the_next_run_repeats_the_uninterrupted_one(job_file, reference,
+                                                                                           tmp_path):
+    """SIGTERM to the command, as Kubernetes sends it to a pod's first process. So that it lands at a
+    known step, both workers hold themselves after step 3 (the ``stop@3:*`` fault) until the command
+    has passed the signal on to them; then they go on. Every rank agrees on step 3, saves it (not a
+    ``save_every`` step), and the command exits with 75. The same command again resumes from step 3
+    and ends as the uninterrupted run: its losses and weights to the bit."""
+    import signal
+
+    from processes import children, pending, tree, wait_for
+
+    output = tmp_path / "out"
+    command = [sys.executable, "-m", "fsdp_turbo.cli.main", "train", str(job_file), "--nproc-per-node", "2",
+               "--output-dir", str(output)]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "FSDP_TURBO_FAULTS": "stop@3:*"})
+    try:
+        wait_for(lambda: list(tree(launcher.pid).values()).count("T") == 2 or launcher.poll() is not None,
+                 "both workers held after step 3")
+        workers = children(launcher.pid)
+        assert launcher.poll() is None and len(workers) == 2, launcher.communicate()
+        launcher.send_signal(signal.SIGTERM)
+        wait_for(lambda: all(pending(pid, signal.SIGTERM) for pid in workers), "the signal passed on to the workers")
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+        _, stderr = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 75, stderr[-5000:]
+    assert "preempted after step 3 (SIGTERM)" in stderr, stderr[-5000:]
+    assert [r["step"] for r in metrics(output)] == [1, 2, 3] and not (output / "final").exists()
+    assert checkpoint(output, 3).is_dir()
+    resumed = train(job_file, output)
+    assert "step-3 at step 3" in resumed.stderr
+    assert untimed(metrics(output)) == untimed(metrics(reference))
+    assert_same_weights(weights(output), weights(reference))
+
+
 def test_config_errors_are_reported_before_launch(job_file, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({**JOB, "turbo": {"expert_parallel_size": 3, "ep_plan": {}}}))

@@ -105,7 +105,8 @@ def sbatch_launch(tmp_path: Path, *, unset: tuple[str, ...] = ()) -> tuple[argpa
               "HEAD_NODE": "node001", "JOB_FILE": str(JOB_FILE), "OUTPUT_DIR": str(tmp_path / "out")}
     for name in unset:
         del values[name]
-    line = sbatch_train_line().replace('"$@"', "")  # no extra flags
+    line = sbatch_train_line()
+    line = line[:line.index('"$@"')]  # no extra flags (and not the exit-status handling after them)
     argv = shlex.split(expand_shell(line, values))
     assert argv[:2] == ["fsdp-turbo", "train"]
     args = _parser().parse_args(argv[1:])
@@ -178,6 +179,36 @@ def test_the_sbatch_script_runs_srun_once_with_those_flags(tmp_path):
     assert flag(launch, "--nproc-per-node") == "8"
     assert "--standalone" not in launch
     assert (args.config, args.output_dir, args.save_every) == (str(JOB_FILE), str(output), 7)
+
+
+@needs_bash
+def test_a_preempted_run_is_requeued(tmp_path):
+    """Slurm signals the step 180 s before the time limit (``--signal=USR1@180``, a default
+    preemption signal of the job); fsdp-turbo saves and exits with 75, and the script requeues
+    the job (``--requeue``) and exits with that code. Stand-ins: srun exits 75, scontrol records."""
+    directives = re.findall(r"^#SBATCH (--[\w-]+(?:=\S+)?)", SBATCH.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    assert "--signal=USR1@180" in directives and "--requeue" in directives
+    from fsdp_turbo.cli.job_config import JobConfig
+
+    assert "SIGUSR1" in JobConfig.from_dict({"model": {"config": {"model_type": "llama"}}}).run.preemption_signals
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol.calls"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        echo "$*" >> {shlex.quote(str(calls))}
+        [ "$1 $2" = "show hostnames" ] && printf 'node001\\nnode002\\n'
+        exit 0
+        """))
+    (bin_dir / "srun").write_text("#!/bin/bash\nexit 75\n")
+    for tool in ("scontrol", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "USER": "tester",
+           "SLURM_JOB_NODELIST": "node[001-002]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "123",
+           "SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_PER_TASK": "64", "OUTPUT_DIR": str(tmp_path / "out")}
+    result = subprocess.run([BASH, str(SBATCH), str(JOB_FILE)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 75, result.stdout + result.stderr
+    assert calls.read_text().splitlines() == ["show hostnames node[001-002]", "requeue 123"]
 
 
 @needs_bash
@@ -309,6 +340,17 @@ def test_the_configmap_job_loads_and_fits_the_pytorchjob_world(tmp_path):
 
 
 # ----- README ----------------------------------------------------------------------------------
+
+
+def test_the_pods_have_time_to_save_when_kubernetes_stops_them():
+    """Kubernetes sends SIGTERM (a default preemption signal of the job) and kills after the grace
+    period: each pod gives the save 180 s, and OnFailure restarts a container that exits with 75."""
+    from fsdp_turbo.cli.job_config import JobConfig
+
+    assert "SIGTERM" in JobConfig.from_dict({"model": {"config": {"model_type": "llama"}}}).run.preemption_signals
+    for replica, spec in manifest()["PyTorchJob"]["spec"]["pytorchReplicaSpecs"].items():
+        assert spec["template"]["spec"]["terminationGracePeriodSeconds"] >= 120, replica
+        assert spec["restartPolicy"] == "OnFailure", replica
 
 
 def test_the_launch_readme_names_every_recipe():

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from processes import tree
 from test_integ_cli import assert_same_weights, metrics, untimed, weights, with_data_cache
 
 pytest.importorskip("transformers")
@@ -113,28 +114,6 @@ def stop_all(nodes: list[Node]) -> None:
         if node.process.poll() is None:
             node.kill()
         _kill_leftovers(node.log.parent)
-
-
-def _processes() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, state: 'R', 'S', 'T' for stopped, ...) of every process."""
-    found = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError):
-            state, parent = stat.read_text().rsplit(")", 1)[1].split()[:2]  # after the command
-            found[int(stat.parent.name)] = (int(parent), state)
-    return found
-
-
-def tree(pid: int) -> dict[int, str]:
-    """pid -> state of ``pid`` and all its descendants. torchrun starts each worker in a
-    session of its own, so a node is its agent's process tree, not its process group."""
-    processes, found, frontier = _processes(), {}, [pid]
-    while frontier:
-        current = frontier.pop()
-        if current in processes:
-            found[current] = processes[current][1]
-            frontier += [child for child, (parent, _) in processes.items() if parent == current]
-    return found
 
 
 def wait_until_stopped(node: Node, timeout=300) -> None:

@@ -327,6 +327,22 @@ def _betas(value: Any) -> tuple[float, float]:
 MAX_TIMEOUT_S = 1e9
 
 
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT")  # catchable, and sent to stop jobs
+
+
+def _check_signals(value: Any) -> tuple[str, ...]:
+    field_name = "run.preemption_signals"
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise ConfigError(field_name, value, f"give a list of signal names, e.g. [SIGTERM, SIGUSR1] (from "
+                          f"{list(PREEMPTION_SIGNALS)}), or [] for none")
+    names = tuple(str(name).strip().upper() for name in value)
+    for name in names:
+        if name not in PREEMPTION_SIGNALS:
+            raise ConfigError(field_name, list(value), f"use names from {list(PREEMPTION_SIGNALS)}",
+                              reason=f"{name} is not a signal a cluster sends before it stops a job")
+    return names
+
+
 @dataclass(frozen=True)
 class RunSection(ConfigSection):
     """``micro_batch``: rows per forward on each data shard. ``global_batch``: rows per
@@ -371,7 +387,15 @@ class RunSection(ConfigSection):
     peer becomes an error (and a torchrun restart), not a stall: a number in [1, 1e9];
     default 600 (NCCL's own default)."""
 
+    preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    """The signals that mean "this job is about to be stopped" (Kubernetes sends SIGTERM before
+    its grace period ends; Slurm sends what ``--signal`` names): every rank agrees on a step,
+    saves a checkpoint of it, and the command exits with code 75, to be resumed with ``--resume
+    auto``. Names from SIGTERM, SIGUSR1, SIGUSR2, SIGHUP and SIGINT; ``[]`` turns this off (a
+    signal then stops the job as it would any program). Default ``[SIGTERM, SIGUSR1]``."""
+
     def __post_init__(self) -> None:
+        _set(self, "preemption_signals", _check_signals(self.preemption_signals))
         for name in ("steps", "micro_batch", "grad_accum"):
             check_int(getattr(self, name), f"run.{name}", minimum=1)
         if self.global_batch is not None:

@@ -57,11 +57,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def torchrun_args(args: argparse.Namespace) -> list[str]:
+def torchrun_args(args: argparse.Namespace, signals_to_handle: str | None = None) -> list[str]:
     """The ``torch.distributed.run`` command line for a parsed ``train`` call. The workers
     take the job from the launcher's resolved file (``cli.resolved_job``), overrides applied;
-    the job file stays on their command line, which they check the resolved file against."""
+    the job file stays on their command line, which they check the resolved file against.
+    ``signals_to_handle``: the signals torchrun's agent ends the job on (the others are the
+    launcher's: ``cli.preemption``)."""
     launch = ["--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts)]
+    if signals_to_handle is not None:
+        launch += ["--signals-to-handle", signals_to_handle]
     passed = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in TORCHRUN_FLAGS}
     for flag, value in passed.items():
         if value is not None:
@@ -128,19 +132,33 @@ def _check_train(job, args: argparse.Namespace) -> None:
 
 
 def _launch(job, args: argparse.Namespace) -> int:
-    """torchrun, with the resolved job in a folder of this launch's (``cli.resolved_job``)."""
+    """torchrun, with the resolved job in a folder of this launch's (``cli.resolved_job``); the
+    preemption signals passed on to the workers (``cli.preemption``). Returns the exit code:
+    0, or ``PREEMPTED_EXIT`` when the workers saved and ended on a preemption signal."""
     from torch.distributed.run import main as torchrun
 
+    from fsdp_turbo.cli import preemption
     from fsdp_turbo.cli.resolved_job import VARIABLE, write_resolved
 
     # Restarted workers must not share the rendezvous TCPStore of the failed attempt: with it
     # they can read the dead attempt's peer addresses (pytorch/pytorch#135712; seen here as
     # gloo "connection refused" and hangs after a kill -9).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    with tempfile.TemporaryDirectory(prefix="fsdp-turbo-job-") as folder:
-        os.environ[VARIABLE] = str(write_resolved(job, args.config, folder))
-        torchrun(torchrun_args(args))
-    return 0
+    preemption.clear_mark(job.output_dir)
+    notice = preemption.LauncherNotice(job.run.preemption_signals)
+    try:
+        with tempfile.TemporaryDirectory(prefix="fsdp-turbo-job-") as folder:
+            os.environ[VARIABLE] = str(write_resolved(job, args.config, folder))
+            torchrun(torchrun_args(args, notice.torchrun_signals))
+    finally:
+        notice.close()
+    record = preemption.read_mark(job.output_dir)
+    if record is None and notice.received is None:
+        return 0
+    where = f"after step {record['step']} ({record.get('signal')})" if record else f"({notice.received})"
+    print(f"fsdp-turbo: preempted {where}: the checkpoint of that step is complete; run the same command "
+          f"again (--resume auto) to go on. Exit code {preemption.PREEMPTED_EXIT}.", file=sys.stderr)
+    return preemption.PREEMPTED_EXIT
 
 
 def _run_command(args: argparse.Namespace):

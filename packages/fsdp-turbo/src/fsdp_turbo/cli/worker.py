@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from fsdp_turbo.checkpoint import TrainingCheckpointer, materialize, save_pretrained
 from fsdp_turbo.cli import faults as fault_injection
+from fsdp_turbo.cli import preemption
 from fsdp_turbo.cli.checkpoint import Resume, load_checkpoint, new_run_id, resolve_resume, save_checkpoint
 from fsdp_turbo.cli.data import Batch, EvalSet, JobData, TrainStream, load_data
 from fsdp_turbo.cli.evaluation import check_eval_set, evaluate, items_per_rank
@@ -111,6 +112,7 @@ class Session:
     flops_per_token: float
     hooks: fault_injection.Hooks
     saver: TrainingCheckpointer  # sync, or one save at a time in the background (checkpoint.async_save)
+    notice: preemption.WorkerNotice  # the preemption signals this rank got
     start: int = 0  # the last step already done (0 for a fresh start)
     skipped: int = 0
     metrics: MetricsLog | None = None  # rank 0
@@ -220,7 +222,8 @@ def _open_logs(session: Session) -> None:
             session.board = TensorBoardLog(output) if session.job.logging.tensorboard else None
 
 
-def _setup(job: JobConfig, resume: str, sizes: JobSizes, hooks: fault_injection.Hooks) -> Session:
+def _setup(job: JobConfig, resume: str, sizes: JobSizes, hooks: fault_injection.Hooks,
+           notice: preemption.WorkerNotice) -> Session:
     """Everything before step 1, each part agreed on by every rank."""
     device = current_device(detect_device_type(job.turbo.device_type))
     model = _parallelize(job, _model(job, device))
@@ -233,7 +236,7 @@ def _setup(job: JobConfig, resume: str, sizes: JobSizes, hooks: fault_injection.
     saver = TrainingCheckpointer(async_save=job.checkpoint.async_save, device=device,
                                  timeout_s=job.run.collective_timeout_s)
     session = Session(job, model, optimizer, scheduler, data.train, data.eval, model.parallel_state, device,
-                      point.run, sizes, tokens_flops, hooks, saver)
+                      point.run, sizes, tokens_flops, hooks, saver, notice)
     _resume(session, point)
     _check_eval(session)
     _open_logs(session)
@@ -347,20 +350,41 @@ def _save(session: Session, step: int) -> None:
                     extra, session.job.checkpoint.keep, **session.hooks.save_options(step))
 
 
-def _loop(session: Session, last: int) -> None:
-    """Steps ``start + 1`` to ``last``: train, evaluate, report, let the hooks in, save."""
+def _loop(session: Session, last: int) -> int:
+    """Steps ``start + 1`` to ``last``: train, evaluate, report, let the hooks in, save; after
+    each, the ranks agree whether a preemption signal came (then: save, stop). Returns the last
+    step done."""
     job = session.job
     shown = progress(job.run.steps, session.start, last, enabled=session.rank0, every=job.logging.every)
+    done = session.start
     for step in range(session.start + 1, last + 1):
         result = _train_step(session, step)
         _report(session, step, _metrics_row(session, step, result, _eval(session, step)), shown)
         session.hooks.after_step(step, session.state.rank)
-        if _save_due(job, step, last):
+        done = step
+        saved = _save_due(job, step, last)
+        if saved:
             _save(session, step)
+        why = session.notice.agreed(session.device)
+        if why is not None:
+            if not saved:
+                _save(session, step)
+            _preempted(session, step, why)
+            break
     session.saver.close()  # the last checkpoint is complete before the job goes on or ends
+    session.notice.close()
     shown.close()
     if session.board is not None:
         session.board.close()
+    return done
+
+
+def _preempted(session: Session, step: int, why: str) -> None:
+    session.saver.wait()
+    with every_rank_or_none(f"note the preemption after step {step}", session.device):
+        if session.rank0:
+            preemption.mark(session.job.output_dir, step, why, session.run_id)
+    _log.warning(f"preempted ({why}): every rank stopped after step {step}, whose checkpoint is complete")
 
 
 def _finish(session: Session) -> None:
@@ -378,13 +402,13 @@ def _finish(session: Session) -> None:
 
 
 def _run(job: JobConfig, resume: str, stop_at_step: int | None, sizes: JobSizes,
-         hooks: fault_injection.Hooks) -> dict:
-    session = _setup(job, resume, sizes, hooks)
+         hooks: fault_injection.Hooks, notice: preemption.WorkerNotice) -> dict:
+    session = _setup(job, resume, sizes, hooks, notice)
     last = min(job.run.steps, stop_at_step) if stop_at_step is not None else job.run.steps
-    _loop(session, last)
-    if last == job.run.steps:
+    done = _loop(session, last)
+    if done == job.run.steps:
         _finish(session)
-    return {"last_step": last, "resumed_from": session.start, "run": session.run_id}
+    return {"last_step": done, "resumed_from": session.start, "run": session.run_id}
 
 
 def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None) -> dict:
@@ -396,9 +420,10 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sizes = job_sizes(job, world)
     hooks = fault_injection.hooks()
+    notice = preemption.WorkerNotice(job.run.preemption_signals)  # first: a notice may come at any time
     watch = _start_group(job, world)
     try:
-        result = _run(job, resume, stop_at_step, sizes, hooks)
+        result = _run(job, resume, stop_at_step, sizes, hooks, notice)
     except BaseException as error:
         if watch is not None:
             watch.post(error)
