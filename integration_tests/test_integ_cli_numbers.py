@@ -101,6 +101,31 @@ def test_moe_flops_count_active_experts(kind):
     assert _flops(model, 64) == pytest.approx(expected, rel=1e-9)
 
 
+# Linear attention by hand, from the config: (value heads, key dim, value dim) of the state
+LINEAR_STATE = {"qwen3_next": ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"),
+                "kimi_linear": ("linear_num_heads", "linear_head_dim", "linear_head_dim")}
+
+
+@pytest.mark.parametrize("kind", sorted(LINEAR_STATE))
+def test_linear_attention_layers_count_their_recurrence_not_a_seq_len_square(kind):
+    """Layer 0 is linear attention (Gated DeltaNet; KDA), layer 1 softmax (MLA for Kimi Linear). The
+    linear layer's projections and convolution are weights; its recurrence is 3 multiply-adds of a
+    d_k x d_v state per token and value head, x3 with the backward, whatever the sequence length.
+    The softmax layer keeps the PaLM term."""
+    model = tiny_hf_causal_lm(kind, device="meta")
+    config = model.config
+    assert config.layer_types == ["linear_attention", "full_attention"]
+    heads, d_k, d_v = (getattr(config, name) for name in LINEAR_STATE[kind])
+    qk = getattr(config, "qk_head_dim", None) or config.head_dim
+    v = getattr(config, "v_head_dim", None) or config.head_dim
+    for seq_len in (64, 4096):
+        by_hand = (6 * _active_weights(model) + 3 * 2 * 3 * heads * d_k * d_v
+                   + 3 * 2 * config.num_attention_heads * (qk + v) * seq_len)
+        assert _flops(model, seq_len) == pytest.approx(by_hand, rel=1e-9)
+    # counted as two softmax layers (as before), the 4096-token figure was 1.85x this (Kimi Linear: 1.87x)
+    assert _flops(model, 4096) < 0.6 * (6 * _active_weights(model) + _attention(model, 4096))
+
+
 def test_expert_lists_count_like_fused_experts():
     fused = tiny_hf_causal_lm("qwen3_moe", device="meta")
     listed = to_expert_lists(tiny_hf_causal_lm("qwen3_moe", device="meta"))

@@ -18,14 +18,25 @@ convention published MFU figures use; a causal flash kernel skips about half of 
 sliding-window one more. Recompute's extra forward is not counted: MFU counts the model's
 FLOPs, not the hardware's.
 
+A linear-attention layer (Gated DeltaNet, Kimi Delta Attention: ``AttentionKind.LINEAR`` in the
+model facts) has no ``seq_len x seq_len`` matrix: its projections and short convolution count
+as weights above, and its recurrence carries one state ``[head_k_dim, head_v_dim]`` per value
+head. Per token and value head, the delta rule reads the state with the key (``S^T k``), writes
+a rank-one correction into it (``k (beta (v - S^T k))^T``) and reads it with the query (``S^T
+q``): three ``d_k x d_v`` multiply-adds, ``6 d_k d_v`` FLOPs forward, ``18 d_k d_v`` with the
+backward; the decay and the gates are elementwise. Other layers keep the PaLM term, each with
+its own head dims where it has them (Gemma 4's global layers).
+
 The model is read as built on the meta device, before FSDPTurbo wraps it: shapes only. Its
-sizes (layers, heads, head dims, top-k) are the model facts' (``ModelFacts.sizes``).
+sizes (layers, heads, head dims, top-k) and each layer's kind are the model facts'
+(``ModelFacts.sizes``, ``ModelFacts.attention_layers``).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from fsdp_turbo.core.families import AttentionKind
 from fsdp_turbo.core.logging import get_logger, warn_once
 from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.model_inspect import fused_experts_form, has_router_forward
@@ -36,11 +47,39 @@ _log = get_logger("fsdp_turbo.cli.flops")
 GEMM_TRAINING_FLOPS = 6
 
 
+# The delta rule's three d_k x d_v multiply-adds per token and value head, x3 with the backward.
+DELTA_RULE_TRAINING_FLOPS = 3 * 2 * 3
+
+
 def flops_per_token(model: nn.Module, facts: ModelFacts, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token of ``model`` on sequences of ``seq_len``."""
+    return GEMM_TRAINING_FLOPS * active_matmul_weights(model, facts) + mixing_flops_per_token(model, facts, seq_len)
+
+
+def mixing_flops_per_token(model: nn.Module, facts: ModelFacts, seq_len: int) -> float:
+    """The token mixers' own FLOPs (beyond their weights): each softmax-like layer's scores and
+    values over ``seq_len`` keys, each linear-attention layer's recurrence. Without per-layer
+    facts, every layer as softmax attention of the model's sizes."""
     layers, heads, qk_dim, v_dim = attention_shape(facts)
-    return (GEMM_TRAINING_FLOPS * active_matmul_weights(model, facts)
-            + attention_flops_per_token(layers, heads, qk_dim, v_dim, seq_len))
+    if not facts.attention_layers:
+        return attention_flops_per_token(layers, heads, qk_dim, v_dim, seq_len)
+    total = 0.0
+    for layer in facts.attention_layers:
+        if layer.kind == AttentionKind.LINEAR and layer.form is not None:
+            total += recurrence_flops_per_token(model.get_submodule(layer.name), layer.form)
+            continue
+        if layer.kind == AttentionKind.LINEAR:  # only the throughput figures depend on it: say so
+            warn_once(_log, f"FLOPs per token count {layer.name} as softmax attention (an upper bound): no "
+                            "registered linear-attention form gives its state's shape")
+        # a layer with its own head dim has keys and values of that width (Gemma 4's global layers)
+        total += attention_flops_per_token(1, heads, layer.head_dim or qk_dim, layer.head_dim or v_dim, seq_len)
+    return total
+
+
+def recurrence_flops_per_token(module: nn.Module, form: type) -> float:
+    """A linear-attention layer's recurrence, per token: ``18 x value heads x d_k x d_v``."""
+    shape = form.shape(module)
+    return DELTA_RULE_TRAINING_FLOPS * shape.value_heads * shape.head_k_dim * shape.head_v_dim
 
 
 def attention_flops_per_token(layers: int, heads: int, qk_dim: int, v_dim: int, seq_len: int) -> float:
