@@ -107,9 +107,13 @@ def _assert_same_saved_model(ours, theirs, atol=1e-5):
     assert not torch.allclose(mine["model.layers.0.self_attn.q_proj.weight"], initial, atol=1e-4)
 
 
-def test_bf16_is_fsdp_plans_mixed_precision_without_accelerates_autocast(tmp_path):
-    result = run_reference(train_bf16_one_rank, str(tmp_path), timeout=300)
+@pytest.mark.parametrize("config", [{"fsdp_plan": {"param_dtype": "bfloat16"}}, {}], ids=["given", "adopted"])
+def test_bf16_is_fsdp_plans_mixed_precision_without_accelerates_autocast(tmp_path, config):
+    """bf16=True with fsdp_plan.param_dtype='bfloat16', or with param_dtype unset: then the Trainer's bf16 is
+    adopted as that param_dtype (gradients reduced in float32), as TRL's default configs need."""
+    result = run_reference(train_bf16_one_rank, str(tmp_path), config, timeout=300)
     assert result["mixed_precision"] == "no" and not result["autocast_wrapped"]
+    assert result["param_dtype"] == torch.bfloat16
     # FSDP2 gathers and computes in bf16 (the logits leave the model in bf16: no autocast casts them back) ...
     assert result["output_dtypes"] == [torch.bfloat16] * 2
     # ... over float32 master parameters, and it trains
@@ -135,7 +139,8 @@ REFUSED_ARGUMENTS = {  # (TrainingArguments fields, FSDPTurbo config, the field 
     "torch_compile beside compile": ({"torch_compile": True}, {"compile": True}, "TrainingArguments.torch_compile",
                                      "keep the FSDPTurbo config's compile=True"),
     "fsdp": ({"fsdp": "full_shard"}, {}, "TrainingArguments.fsdp", "drop fsdp"),
-    "bf16 without param_dtype": ({"bf16": True}, {}, "TrainingArguments.bf16", "fsdp_plan.param_dtype='bfloat16'"),
+    "bf16 beside param_dtype float32": ({"bf16": True}, {"fsdp_plan": {"param_dtype": "float32"}},
+                                        "TrainingArguments.bf16", "fsdp_plan.param_dtype='bfloat16'"),
     "fp16": ({"fp16": True}, {}, "TrainingArguments.fp16", "use bf16=True"),
 }
 
@@ -187,7 +192,7 @@ def test_the_model_stays_unsharded_when_refused(tmp_path):
     model = tiny_hf_causal_lm("llama")
     with pytest.raises(ConfigError):
         with_fsdp_turbo(transformers.Trainer)(model=model, args=training_arguments(str(tmp_path), 2, bf16=True),
-                                              fsdp_turbo_config={})
+                                              fsdp_turbo_config={"fsdp_plan": {"param_dtype": "float32"}})
     assert not hasattr(model, "parallel_state")
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
 
@@ -212,14 +217,15 @@ def test_what_with_fsdp_turbo_takes(tmp_path):
                     fsdp_turbo_config={})
 
 
-@pytest.mark.parametrize(("variable", "value", "expected"), [
-    ("ACCELERATE_MIXED_PRECISION", "bf16", r"\$ACCELERATE_MIXED_PRECISION='bf16'.*Fix: set fsdp_plan.param_dtype"),
-    ("ACCELERATE_USE_FSDP", "true", r"\$ACCELERATE_USE_FSDP='true'.*Fix: launch with torchrun"),
+@pytest.mark.parametrize(("variable", "value", "config", "expected"), [
+    ("ACCELERATE_MIXED_PRECISION", "bf16", {"fsdp_plan": {"param_dtype": "float32"}},
+     r"\$ACCELERATE_MIXED_PRECISION='bf16'.*Fix: set fsdp_plan.param_dtype"),
+    ("ACCELERATE_USE_FSDP", "true", {}, r"\$ACCELERATE_USE_FSDP='true'.*Fix: launch with torchrun"),
 ])
-def test_accelerate_launch_options_are_refused_too(tmp_path, monkeypatch, variable, value, expected):
+def test_accelerate_launch_options_are_refused_too(tmp_path, monkeypatch, variable, value, config, expected):
     monkeypatch.setenv(variable, value)  # what `accelerate launch --mixed_precision bf16` / `--use_fsdp` set
     with pytest.raises(ConfigError, match=expected):
-        _construct(tmp_path)
+        _construct(tmp_path, config)
 
 
 def test_an_eval_set_the_peers_would_trim_unevenly_is_refused():

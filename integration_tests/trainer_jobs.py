@@ -198,9 +198,10 @@ def train_layouts(output_dir: str) -> dict:
     return runs
 
 
-def train_bf16_one_rank(output_dir: str) -> dict:
-    """``bf16=True`` with ``fsdp_plan.param_dtype='bfloat16'`` on one rank: FSDP2 computes in bf16 and accelerate
-    adds no autocast of its own (which would cast the model's outputs back to float32)."""
+def train_bf16_one_rank(output_dir: str, config: dict) -> dict:
+    """``bf16=True`` with the FSDPTurbo ``config`` (``fsdp_plan.param_dtype='bfloat16'``, or unset: adopted) on one
+    rank: FSDP2 computes in bf16 and accelerate adds no autocast of its own (which would cast the model's outputs
+    back to float32)."""
     from transformers import Trainer
 
     from fsdp_turbo.integrations.transformers import with_fsdp_turbo
@@ -212,9 +213,10 @@ def train_bf16_one_rank(output_dir: str) -> dict:
     trainer = with_fsdp_turbo(Trainer)(model=model, args=training_arguments(output_dir, PER_RANK, bf16=True,
                                                                             max_steps=2),
                                        train_dataset=token_dataset(),
-                                       fsdp_turbo_config={"fsdp_plan": {"param_dtype": "bfloat16"}})
+                                       fsdp_turbo_config=config)
     trainer.train()
     return {"output_dtypes": output_dtypes, "mixed_precision": trainer.accelerator.mixed_precision,
+            "param_dtype": trainer.fsdp_turbo_config.fsdp_plan.param_dtype,
             "autocast_wrapped": hasattr(trainer.model, "_original_forward"),
             "master_dtypes": {p.dtype for p in trainer.model.parameters()},
             "loss": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]}

@@ -36,6 +36,7 @@ BENCHES = {
     "context_parallel": [],
     "peer_torchtitan": [],
     "lora": [],
+    "checkpoint_save": [],
 }
 
 

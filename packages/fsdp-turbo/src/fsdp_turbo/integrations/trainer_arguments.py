@@ -17,7 +17,7 @@ from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
-__all__ = ["adopt_owned_features", "check_trainer_inputs", "check_training_arguments"]
+__all__ = ["adopt_mixed_precision", "adopt_owned_features", "check_trainer_inputs", "check_training_arguments"]
 
 _log = get_logger(__name__)
 
@@ -93,35 +93,44 @@ def _precision_source(args: Any) -> tuple[str, Any]:
     return "$ACCELERATE_MIXED_PRECISION", os.environ.get("ACCELERATE_MIXED_PRECISION")
 
 
-def _check_mixed_precision(args: Any, config: FSDPTurboConfig) -> None:
-    """Mixed precision comes from ``fsdp_plan.param_dtype``: the Trainer's (bf16, fp16, or accelerate launch's
-    ``--mixed_precision``, all in ``args.mixed_precision``) must say the same."""
+def adopt_mixed_precision(args: Any, config: FSDPTurboConfig) -> FSDPTurboConfig:
+    """Mixed precision comes from ``fsdp_plan.param_dtype``; the Trainer's (bf16, fp16, or accelerate launch's
+    ``--mixed_precision``, all in ``args.mixed_precision``) must say the same. Where the config leaves
+    ``param_dtype`` unset, the Trainer's bf16 is adopted as ``param_dtype='bfloat16'`` with gradients reduced in
+    float32 (a rank-0 warning says so): TRL's configs ask for bf16 by default. Only a real conflict is an error."""
     asked = getattr(args, "mixed_precision", "no") or "no"
-    param_dtype = config.fsdp_plan.param_dtype
-    param_dtype = None if param_dtype == torch.float32 else param_dtype
+    given = config.fsdp_plan.param_dtype
     if asked == "fp16":
         raise ConfigError(*_precision_source(args), "use bf16=True with fsdp_plan.param_dtype='bfloat16'",
                           reason="fp16 needs a loss scaler, which with_fsdp_turbo does not set up for sharded "
                                  "gradients")
-    if asked == "bf16" and param_dtype != torch.bfloat16:
+    if asked == "bf16" and given is None:
+        reduce_dtype = config.fsdp_plan.reduce_dtype or torch.float32
+        _log.warning(f"{_precision_source(args)[0]}=True is applied as the FSDPTurbo config's fsdp_plan.param_dtype="
+                     f"'bfloat16' (gradients reduced in {str(reduce_dtype).removeprefix('torch.')}): FSDP gathers and "
+                     "computes in bf16 over float32 master weights; accelerate's own autocast stays off")
+        return replace(config, fsdp_plan=replace(config.fsdp_plan, param_dtype=torch.bfloat16,
+                                                 reduce_dtype=reduce_dtype))
+    if asked == "bf16" and given != torch.bfloat16:
         raise ConfigError(*_precision_source(args), "set fsdp_plan.param_dtype='bfloat16' in the FSDPTurbo config "
-                          "(mixed precision comes from fsdp_plan), or drop bf16",
-                          reason=f"fsdp_plan.param_dtype is {param_dtype}")
-    if asked == "no" and param_dtype is not None:
-        shown = str(param_dtype).removeprefix("torch.")
+                          "(or leave it unset: bf16 is then adopted), or drop bf16",
+                          reason=f"fsdp_plan.param_dtype is {given}, another precision than the Trainer's")
+    if asked == "no" and given not in (None, torch.float32):
+        shown = str(given).removeprefix("torch.")
         fix = ("set bf16=True in TrainingArguments too, or unset fsdp_plan.param_dtype"
-               if param_dtype == torch.bfloat16 else "use 'bfloat16' (with bf16=True), or unset it")
+               if given == torch.bfloat16 else "use 'bfloat16' (with bf16=True), or unset it")
         raise ConfigError("fsdp_plan.param_dtype", shown, fix,
                           reason="TrainingArguments ask for no mixed precision (bf16 is False)")
+    return config
 
 
 def check_training_arguments(args: Any, config: FSDPTurboConfig) -> FSDPTurboConfig:
     """Refuse the ``TrainingArguments`` that FSDPTurbo cannot honour beside ``config``; return the config with the
-    features the arguments ask for (``adopt_owned_features``). No collectives."""
+    features and the precision the arguments ask for (``adopt_owned_features``, ``adopt_mixed_precision``). No
+    collectives."""
     _refuse_other_layouts(args)
     config = adopt_owned_features(args, config)
-    _check_mixed_precision(args, config)
-    return config
+    return adopt_mixed_precision(args, config)
 
 
 def check_trainer_inputs(model: Any, args: Any, model_init: Any, optimizers: Any) -> None:
