@@ -65,21 +65,28 @@ CASES = {
     "assistant_only": ("llama", {"assistant_only_loss": True, "max_length": 64}),
     "lora": ("llama", {"max_length": 48}),
     "dpo": ("llama", {"max_length": 48, "beta": 0.1}),
+    # SFTConfig's default precision (bf16=True): the FSDPTurbo config leaves param_dtype unset, so it is adopted
+    "moe_packed_bf16": ("qwen3_moe", {"packing": True, "max_length": 64, "router_aux_loss_coef": 0.0}),
 }
+TRL_DEFAULT_PRECISION = ("moe_packed_bf16",)
 
 
 def run(output_dir: str, case: str, per_device: int, config: dict | None) -> dict:
-    """``case`` for ``STEPS`` steps: the plain TRL trainer when ``config`` is None, else through ``with_fsdp_turbo``.
-    Returns the logged losses and grad norms, and what the trainer reported."""
+    """``case`` for ``STEPS`` steps: the plain TRL trainer when ``config`` is None, else through ``with_fsdp_turbo``
+    (in one process too, for the bf16 references). Returns the logged losses and grad norms, and what the trainer
+    reported."""
+    import torch.distributed as dist
     import trl
 
-    if config is None:
+    if not dist.is_initialized():  # one process: python script.py has no launcher variables
         _as_a_plain_process()
     model_kind, fields = CASES[case]
     model = tiny_hf_causal_lm(model_kind, vocab_size=VOCAB)
     common = {"output_dir": output_dir, "per_device_train_batch_size": per_device, "max_steps": STEPS,
               "learning_rate": 1e-3, "logging_steps": 1, "seed": 0, "report_to": [], "max_grad_norm": 1.0,
               "use_cpu": True, "dataloader_num_workers": 0, "save_strategy": "no", "bf16": False}
+    if case in TRL_DEFAULT_PRECISION:
+        del common["bf16"]  # SFTConfig's own default: bf16=True
     extra = {}
     if case == "dpo":
         trainer_cls, args = trl.DPOTrainer, trl.DPOConfig(**common, **fields)
@@ -102,6 +109,7 @@ def run(output_dir: str, case: str, per_device: int, config: dict | None) -> dic
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     return {"loss": [entry["loss"] for entry in logs], "grad_norm": [entry["grad_norm"] for entry in logs],
             "logged": sorted({key for entry in logs for key in entry}),
+            "param_dtype": str(trainer.fsdp_turbo_config.fsdp_plan.param_dtype) if config is not None else None,
             "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),  # global sizes
             "parameters": sum(p.numel() for p in trainer.model.parameters())}
 
@@ -116,11 +124,17 @@ LAYOUTS = {
     "assistant_only fsdp4": ("assistant_only", PER_RANK, FSDP4),
     "lora fsdp4": ("lora", PER_RANK, FSDP4),
     "dpo fsdp4": ("dpo", PER_RANK, FSDP4),
+    "moe_packed_bf16 fsdp4": ("moe_packed_bf16", PER_RANK, FSDP4),
+    "moe_packed_bf16 ep2 x fsdp4": ("moe_packed_bf16", PER_RANK, {**FSDP4, "expert_parallel_size": 2, "ep_plan": {}}),
 }
 
 
 def one_process(output_dir: str) -> dict:
-    return {case: run(f"{output_dir}/{case}", case, PER_RANK * WORLD, None) for case in CASES}
+    """Each case's one-process run with the same global batch: the plain TRL script, in float32; the bf16 cases
+    through ``with_fsdp_turbo`` in one process (the same precision: bf16 compute over float32 master weights,
+    where the plain script would autocast instead)."""
+    return {case: run(f"{output_dir}/{case}", case, PER_RANK * WORLD, {} if case in TRL_DEFAULT_PRECISION else None)
+            for case in CASES}
 
 
 def every_layout(output_dir: str) -> dict:
