@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -40,6 +41,14 @@ def _job(steps: int, save_every: int, background: bool, cache: Path) -> dict:
             "turbo": {"fully_shard_parallel_size": 2}}
 
 
+WAITED = re.compile(r"checkpoint of step (\d+) .*: the loop waited ([0-9.]+) s")
+
+
+def _waited(folder: Path) -> dict[int, float]:
+    """Seconds the training loop waited at each checkpoint (rank 0's log)."""
+    return {int(step): float(s) for step, s in WAITED.findall((folder / "stderr.txt").read_text())}
+
+
 def _train(folder: Path, job: dict, *extra: str) -> float:
     """Wall seconds of one ``fsdp-turbo train`` command (2 ranks) of ``job`` into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -50,6 +59,7 @@ def _train(folder: Path, job: dict, *extra: str) -> float:
                            "--output-dir", str(folder / "out"), *extra], capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     seconds = time.perf_counter() - began
+    (folder / "stderr.txt").write_text(done.stderr)
     if done.returncode:
         raise SystemExit(f"fsdp-turbo train failed in {folder}:\n{done.stderr[-4000:]}")
     return seconds
@@ -85,6 +95,14 @@ def main() -> None:
           f"{extra_saves} more, synchronous; {seconds['async']:.1f} s with them in the background")
     result(f"cost of {extra_saves} extra checkpoints, background vs synchronous (58M Llama, 2 ranks)",
            async_cost / sync_cost, "<= 0.35", f"{async_cost:.1f} vs {sync_cost:.1f} s over {seconds['none']:.1f} s")
+    waits = {name: _waited(root / name) for name in ("sync", "async")}
+    extra_steps = range(every, args.steps, every)
+    waited = {name: sum(waits[name][step] for step in extra_steps) for name in waits}
+    print(f"the loop waited at the extra checkpoints: {waited['sync']:.2f} s synchronous, {waited['async']:.2f} s in "
+          f"the background (per save: {[waits['sync'][s] for s in extra_steps]} vs "
+          f"{[waits['async'][s] for s in extra_steps]})")
+    result(f"time the loop waited at {extra_saves} extra checkpoints, background vs synchronous", waited["async"] /
+           waited["sync"], "reported", f"{waited['async']:.2f} vs {waited['sync']:.2f} s")
 
     losses = {name: _losses(root / name) for name in seconds}
     same = losses["none"] == losses["sync"] == losses["async"]

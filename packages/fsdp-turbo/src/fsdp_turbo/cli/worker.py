@@ -343,11 +343,16 @@ def _save_due(job: JobConfig, step: int, last: int) -> bool:
 
 
 def _save(session: Session, step: int) -> None:
+    """The checkpoint of ``step``; rank 0 logs how long the loop waited for it (in the background:
+    for the save before it, and to stage this one)."""
     loader, state = session.loader, session.state
     extra = {"scheduler": session.scheduler.state_dict(), "data": loader.state_dict(),
              "world_size": state.world_size, "layout": state.describe(), "skipped_steps": session.skipped}
+    began = time.perf_counter()
     save_checkpoint(session.saver, session.job.output_dir, session.run_id, step, session.model, session.optimizer,
                     extra, session.job.checkpoint.keep, **session.hooks.save_options(step))
+    how = "staged, written in the background" if session.saver.async_save else "written"
+    _log.info(f"checkpoint of step {step} {how}: the loop waited {time.perf_counter() - began:.2f} s")
 
 
 def _loop(session: Session, last: int) -> int:
