@@ -16,10 +16,16 @@ BATCHES = make_token_batches(vocab_size=256, global_batch=4, seq_len=16, steps=4
 
 
 def _model_and_optimizer():
-    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+    # torch's fully_shard itself: turbo-core is tested without turbo-distributed installed
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = FSDPTurbo({"fully_shard_parallel_size": WORLD}, tiny_hf_causal_lm("llama"))
+    model = tiny_hf_causal_lm("llama")
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
 
 
