@@ -48,7 +48,7 @@ def ep_lora_resume(out: str, base: str) -> dict[str, object]:
     saved adapter folder."""
     from peft_jobs import BATCHES, EP_LAYOUT
 
-    from fsdp_turbo.checkpoint import load_pretrained, save_pretrained
+    from fsdp_turbo.checkpoint import TrainingCheckpointer, load_pretrained, save_pretrained
     from fsdp_turbo.cli.checkpoint import load_checkpoint, save_checkpoint
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
@@ -57,7 +57,7 @@ def ep_lora_resume(out: str, base: str) -> dict[str, object]:
     device = next(model.parameters()).device
     for batch in BATCHES[:2]:
         _step(model, optimizer, batch)
-    saved = save_checkpoint(out, "run-test", 2, model, optimizer, {}, keep=1, device=device)
+    saved = save_checkpoint(TrainingCheckpointer(device=device), out, "run-test", 2, model, optimizer, {}, keep=1)
     _step(model, optimizer, BATCHES[2])
     trained = {n: full_tensor(p) for n, p in model.named_parameters() if p.requires_grad}
     resumed, resumed_optimizer = _setup(config)

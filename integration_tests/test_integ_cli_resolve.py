@@ -47,8 +47,8 @@ EVERY_SECTION = {
     "optimizer": {"lr": 1e-4, "weight_decay": 0.1, "betas": [0.8, 0.99], "eps": 1e-6, "warmup_steps": 5,
                   "min_lr_ratio": 0.25, "grad_clip": None},
     "run": {"steps": 12, "micro_batch": 3, "grad_accum": 1, "global_batch": 24, "seed": 7, "nonfinite": "skip",
-            "max_skipped": 3, "collective_timeout_s": 120.5},
-    "checkpoint": {"save_every": 4, "keep": 1},
+            "max_skipped": 3, "collective_timeout_s": 120.5, "preemption_signals": ["SIGUSR2"]},
+    "checkpoint": {"save_every": 4, "keep": 1, "async_save": True},
     "logging": {"tensorboard": True, "every": 5},
     "peft": {"r": 4, "alpha": 8.0, "dropout": 0.1, "target_modules": ["*q_proj"], "export_merged": True},
     "turbo": {
