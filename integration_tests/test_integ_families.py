@@ -10,6 +10,7 @@ gradients rtol 1e-4 / atol 1e-6, unless a case states otherwise (MXFP8)."""
 import pytest
 import torch
 from families_jobs import CASES, LAUNCHES, families_run, mx_converted, reference_runs
+from launch_groups import grouped_cases, launched, world_of
 
 from fsdp_turbo.cli.names import compress_names
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
@@ -28,25 +29,20 @@ def launches():
     return {}
 
 
-def _launch(launches, group):
+def _launch(group):
     """One launch (the group's ranks) for its cases, and the one-process references."""
-    if group not in launches:
-        names = LAUNCHES[group]
-        references = run_reference(reference_runs, sorted({CASES[name][0] for name in names}), timeout=300)
-        launches[group] = references, run_distributed(families_run, int(group.split()[0]), names, timeout=600)
-    return launches[group]
+    names = LAUNCHES[group]
+    references = run_reference(reference_runs, sorted({CASES[name][0] for name in names}), timeout=300)
+    return references, run_distributed(families_run, world_of(group), names, timeout=600)
 
 
 def _cases(mx: bool):
-    """The cases, each marked with its launch's xdist group (one worker per launch)."""
-    return [pytest.param(group, name, id=name, marks=pytest.mark.xdist_group(f"integ_families_{group.split()[0]}"))
-            for group, names in LAUNCHES.items() for name in names
-            if ("quantization_plan" in CASES[name][1]) == mx]
+    return grouped_cases(LAUNCHES, "integ_families", lambda name: ("quantization_plan" in CASES[name][1]) == mx)
 
 
 @pytest.mark.parametrize("group, case", _cases(mx=False))
 def test_family_matches_one_process(launches, group, case):
-    references, records = _launch(launches, group)
+    references, records = launched(launches, group, _launch)
     kind, _ = CASES[case]
     for record in records:
         assert_parity(references[kind], record[case], loss_rtol=1e-5, grad_rtol=1e-4, grad_atol=1e-6)
@@ -78,7 +74,7 @@ def test_family_mxfp8(launches, group, case):
     expert's tokens, grouped differently on each rank (at least 30 dB SQNR, measured 31.4 on
     Qwen3-Next); other gradients rtol 1e-4 / atol 1e-6; all four losses rtol 2e-3 (measured 3.6e-4)."""
     kind, _ = CASES[case]
-    references, records = _launch(launches, group)
+    references, records = launched(launches, group, _launch)
     reference = references[f"{kind} mx"]
     for record in records:
         candidate = record[case]

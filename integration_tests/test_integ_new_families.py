@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from launch_groups import grouped_cases, launched, world_of
 from new_families_jobs import (
     CASES,
     GRAD_ATOL,
@@ -43,23 +44,19 @@ def launches():
     return {}
 
 
-def _launch(launches, group):
+def _launch(group):
     """One launch (the group's ranks) for its cases; their one-process references; the MXFP8 replays."""
-    if group not in launches:
-        names = LAUNCHES[group]
-        references = run_reference(reference_runs, sorted({CASES[name][0] for name in names}), timeout=300)
-        records = run_distributed(families_run, int(group.split()[0]), names, timeout=900)
-        mx = [name for name in names if is_mx(name)]
-        references.update(run_reference(mx_replay_runs, params_blob({name: records[0][name] for name in mx}),
-                                        timeout=600))
-        launches[group] = references, records
-    return launches[group]
+    names = LAUNCHES[group]
+    references = run_reference(reference_runs, sorted({CASES[name][0] for name in names}), timeout=300)
+    records = run_distributed(families_run, world_of(group), names, timeout=900)
+    mx = [name for name in names if is_mx(name)]
+    references.update(run_reference(mx_replay_runs, params_blob({name: records[0][name] for name in mx}),
+                                    timeout=600))
+    return references, records
 
 
 def _cases(mx: bool):
-    """The cases, each marked with its launch's xdist group (one worker per launch)."""
-    return [pytest.param(group, name, id=name, marks=pytest.mark.xdist_group(f"integ_new_families_{group.split()[0]}"))
-            for group, names in LAUNCHES.items() for name in names if is_mx(name) == mx]
+    return grouped_cases(LAUNCHES, "integ_new_families", lambda name: is_mx(name) == mx)
 
 
 def _merged(records, case):
@@ -70,7 +67,7 @@ def _merged(records, case):
 
 @pytest.mark.parametrize("group, case", _cases(mx=False))
 def test_family_matches_one_process(launches, group, case):
-    references, records = _launch(launches, group)
+    references, records = launched(launches, group, _launch)
     for candidate in _merged(records, case):
         assert_parity(references[CASES[case][0]], candidate, loss_rtol=1e-5, grad_rtol=1e-4,
                       grad_atol=GRAD_ATOL.get(CASES[case][0], 1e-6))
@@ -78,7 +75,7 @@ def test_family_matches_one_process(launches, group, case):
 
 @pytest.mark.parametrize("group, case", _cases(mx=True))
 def test_family_mxfp8_step_by_step(launches, group, case):
-    references, records = _launch(launches, group)
+    references, records = launched(launches, group, _launch)
     reference = references[case]
     for candidate in _merged(records, case):
         torch.testing.assert_close(torch.tensor(candidate.losses), torch.tensor(reference.losses), rtol=1e-5, atol=0)

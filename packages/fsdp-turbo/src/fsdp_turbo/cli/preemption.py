@@ -40,21 +40,37 @@ MARKER = "preempted.json"
 _TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
-class WorkerNotice:
+class _Notice:
+    """The preemption signals this process takes: ``_on`` runs in the main thread for each one
+    received (after noting its name); ``close`` puts the previous handlers back."""
+
+    def __init__(self, signals: tuple[str, ...], where: str) -> None:
+        self.received: str | None = None
+        self._previous = {}
+        if signals and not _can_handle_signals(f"run.preemption_signals in {where}"):
+            return
+        for name in signals:
+            number = getattr(signal, name)
+            self._previous[number] = signal.signal(number, self._take)
+
+    def _take(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signal.Signals(signum).name
+        self._on(signum)
+
+    def _on(self, signum: int) -> None:
+        """What else this process does with a signal it took."""
+
+    def close(self) -> None:
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
+
+
+class WorkerNotice(_Notice):
     """In a worker: which preemption signal this process got, if any (noted by a handler, read
     between steps)."""
 
     def __init__(self, signals: tuple[str, ...]) -> None:
-        self.received: str | None = None
-        self._previous = {}
-        if signals and not _can_handle_signals("run.preemption_signals in this worker"):
-            return
-        for name in signals:
-            number = getattr(signal, name)
-            self._previous[number] = signal.signal(number, self._note)
-
-    def _note(self, signum: int, frame: FrameType | None) -> None:
-        self.received = signal.Signals(signum).name
+        super().__init__(signals, "this worker")
 
     def agreed(self, device: torch.device) -> str | None:
         """Collective: the signal, when any rank has got one (``"a peer's signal"`` on ranks that
@@ -65,10 +81,6 @@ class WorkerNotice:
         if not flag.item():
             return None
         return self.received or "a peer's signal"
-
-    def close(self) -> None:
-        for number, previous in self._previous.items():
-            signal.signal(number, previous)
 
 
 def _can_handle_signals(what: str) -> bool:
@@ -113,28 +125,17 @@ def _children() -> list[int]:
     return found
 
 
-class LauncherNotice:
+class LauncherNotice(_Notice):
     """In the launcher: the preemption signals are passed on to the workers (and noted), instead
     of reaching torchrun's agent, which is told to handle only the others
     (``torchrun_signals``, its ``--signals-to-handle``). Made before torchrun starts; ``close``
     puts the handlers back."""
 
     def __init__(self, signals: tuple[str, ...]) -> None:
-        self.received: str | None = None
         self.torchrun_signals = ",".join(name for name in _TORCHRUN_SIGNALS if name not in signals)
-        self._previous = {}
-        if signals and not _can_handle_signals("run.preemption_signals in the launcher"):
-            return
-        for name in signals:
-            number = getattr(signal, name)
-            self._previous[number] = signal.signal(number, self._pass_on)
+        super().__init__(signals, "the launcher")
 
-    def _pass_on(self, signum: int, frame: FrameType | None) -> None:
-        self.received = signal.Signals(signum).name
+    def _on(self, signum: int) -> None:
         for pid in _children():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signum)
-
-    def close(self) -> None:
-        for number, previous in self._previous.items():
-            signal.signal(number, previous)
