@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from fsdp_turbo.core.testing import run_distributed, run_reference
+from fsdp_turbo.core.testing import RankFailure, run_distributed, run_reference
 
 pytestmark = pytest.mark.multirank
 
@@ -26,6 +26,18 @@ def _fail_on_rank(bad_rank):
         raise KeyError("boom")
     dist.barrier()  # the healthy ranks wait for a peer that never comes
     return "unreachable"
+
+
+def _rank_1_dies():
+    import signal
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(0.5)  # its peer is waiting in the next barrier: it fails on the reset connection
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
 
 
 def _sleep_forever():
@@ -53,6 +65,12 @@ def test_failing_rank_error_is_reraised_and_peers_are_stopped():
     assert any("rank 2 of 3" in note for note in info.value.__notes__)
     assert "Traceback" in str(info.value.__cause__)
     assert time.monotonic() - started < 60
+
+
+def test_a_rank_that_dies_is_the_root_cause_not_its_peers_reset_connection():
+    with pytest.raises(RankFailure, match="rank 1 was killed by signal 9 and left no result") as info:
+        run_distributed(_rank_1_dies, 2, timeout=120)
+    assert any("rank 1 of 2" in note for note in info.value.__notes__)
 
 
 def test_timeout_kills_a_hang():

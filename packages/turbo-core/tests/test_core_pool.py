@@ -7,8 +7,9 @@ import time
 
 import pytest
 import torch
+from test_core_harness import _rank_1_dies
 
-from fsdp_turbo.core.testing import run_distributed, run_reference
+from fsdp_turbo.core.testing import RankFailure, run_distributed, run_reference
 from fsdp_turbo.core.testing.pool import RankPool, active_pool, pooled_ranks
 
 pytestmark = pytest.mark.multirank
@@ -91,6 +92,13 @@ def test_a_failing_rank_fails_the_call_and_the_next_call_gets_new_ranks(pool):
     assert "Traceback" in str(info.value.__cause__)
     after = [pid for pid, _ in pool.run(_pid_and_sum, timeout=60)]
     assert not set(before) & set(after) and pool.starts == 2
+
+
+def test_a_rank_that_dies_is_reported_and_the_pool_restarts(pool):
+    with pytest.raises(RankFailure, match="rank 1 was killed by signal 9 and left no result"):
+        pool.run(_rank_1_dies, timeout=120)
+    assert [s for _, s in pool.run(_pid_and_sum, timeout=60)] == [1.0, 1.0]
+    assert pool.starts == 2
 
 
 def test_a_hang_is_reported_and_the_pool_restarts(pool):

@@ -23,6 +23,7 @@ from fsdp_turbo.core.testing.ranks import (
     _POLL_S,
     TEST_DEVICE_ENV,
     RankFailure,
+    _died,
     _join_group,
     _mp_context,
     _Outcome,
@@ -36,9 +37,14 @@ __all__ = ["TEST_DEVICE_ENV", "RankFailure", "device_under_test", "run_distribut
 
 def _worker(rank: int, world_size: int, port: int | None, backend: str, num_threads: int,
             fn: Callable[..., Any], args: tuple, kwargs: dict, out_dir: str) -> None:
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    # A rank that dies in native code (a segfault, an abort) leaves no result; its stack on
+    # stderr is then the only trace of where it died.
+    faulthandler.enable()
     os.environ.update(_rank_environment(rank, world_size))
     if port is not None:
         os.environ["MASTER_PORT"] = str(port)
@@ -141,8 +147,7 @@ def _collect(procs: list, out_dir: str, timeout: float, return_exceptions: bool)
                 continue
             outcome = _read(out_dir, rank)
             if outcome is None and not proc.is_alive():
-                outcome = _read(out_dir, rank) or _Outcome(
-                    False, RankFailure(f"rank {rank} exited with code {proc.exitcode} and no result"))
+                outcome = _read(out_dir, rank) or _died(rank, proc.exitcode)
             if outcome is not None:
                 outcomes[rank] = outcome
                 if not outcome.ok and first_failure is None:

@@ -33,6 +33,7 @@ their world size per call and need the rank results back.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import gc
 import multiprocessing as mp
@@ -48,6 +49,7 @@ from typing import Any
 from fsdp_turbo.core.testing.ranks import (
     _GRACE_S,
     RankFailure,
+    _died,
     _join_group,
     _mp_context,
     _Outcome,
@@ -149,11 +151,11 @@ def _collect(conns: list[Connection], procs: list, timeout: float,
             if conns[rank] in ready:
                 try:
                     outcomes[rank] = pickle.loads(conns[rank].recv_bytes())
-                except (EOFError, OSError):
-                    outcomes[rank] = _Outcome(False, RankFailure(f"rank {rank} closed its pipe with no result"))
+                except (EOFError, OSError):  # the pipe closes as a rank dies: say how it died
+                    procs[rank].join(timeout=5)
+                    outcomes[rank] = _died(rank, procs[rank].exitcode)
             elif procs[rank].sentinel in ready:
-                outcomes[rank] = _Outcome(
-                    False, RankFailure(f"rank {rank} exited with code {procs[rank].exitcode} and no result"))
+                outcomes[rank] = _died(rank, procs[rank].exitcode)
             if rank in outcomes and not outcomes[rank].ok and not failure_seen and not return_exceptions:
                 failure_seen = True
                 # the peers of a failed rank usually fail soon after (closed connections)
@@ -169,6 +171,7 @@ def _collect(conns: list[Connection], procs: list, timeout: float,
 # -- the rank side -----------------------------------------------------------------------
 def _serve(rank: int, world_size: int, num_threads: int, conn: Connection) -> None:
     """A pool rank: run each task it is sent, in a fresh process group, until told to stop."""
+    faulthandler.enable()  # a crash in native code leaves no result: its stack on stderr says where
     os.environ.update(_rank_environment(rank, world_size))
     fresh = _FreshState.capture(num_threads)
     while True:

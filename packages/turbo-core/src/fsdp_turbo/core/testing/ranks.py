@@ -86,6 +86,20 @@ def _join_group(rank: int, world_size: int, port: int, backend: str) -> None:
     dist.barrier()
 
 
+def _died(rank: int, exitcode: int | None) -> _Outcome:
+    """The outcome of a rank that died with no result (killed, or crashed in native code).
+
+    It is noticed here later than its peers' "connection reset" errors, which it caused, so
+    it is dated first: the earliest failure is reported as the root cause.
+    """
+    if exitcode is not None and exitcode < 0:
+        how = f"was killed by signal {-exitcode}"
+    else:
+        how = f"exited with code {exitcode}"
+    return _Outcome(False, RankFailure(f"rank {rank} {how} and left no result (a crash's stack is on stderr)"),
+                    "", float("-inf"))
+
+
 def _raise_from(rank: int, world_size: int, outcome: _Outcome) -> None:
     error = outcome.value
     if not isinstance(error, BaseException):
