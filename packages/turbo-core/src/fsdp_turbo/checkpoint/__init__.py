@@ -17,10 +17,31 @@ optionally written in the background): ``TrainingCheckpointer`` and ``load_train
 (``fsdp_turbo.checkpoint.training``).
 """
 
-from fsdp_turbo.checkpoint.init import init_weights, materialize
-from fsdp_turbo.checkpoint.load import LoadReport, load_pretrained
-from fsdp_turbo.checkpoint.save import save_pretrained
-from fsdp_turbo.checkpoint.training import TrainingCheckpointer, load_training_checkpoint
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Each name resolves on first use, so the small helpers here (``atomic``, ``files``) import
+# without DCP and DTensor: ``fsdp-turbo train``'s launcher uses them and never trains.
+_HOMES = {
+    "init_weights": "init", "materialize": "init",
+    "LoadReport": "load", "load_pretrained": "load",
+    "save_pretrained": "save",
+    "TrainingCheckpointer": "training", "load_training_checkpoint": "training",
+}
 
 __all__ = ["LoadReport", "TrainingCheckpointer", "init_weights", "load_pretrained", "load_training_checkpoint",
            "materialize", "save_pretrained"]
+
+if TYPE_CHECKING:
+    from fsdp_turbo.checkpoint.init import init_weights, materialize
+    from fsdp_turbo.checkpoint.load import LoadReport, load_pretrained
+    from fsdp_turbo.checkpoint.save import save_pretrained
+    from fsdp_turbo.checkpoint.training import TrainingCheckpointer, load_training_checkpoint
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value
