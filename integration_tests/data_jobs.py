@@ -101,7 +101,7 @@ def pieces_of_window(prepared, window: int) -> list[tuple[torch.Tensor, torch.Te
     """Each piece of a window alone; its first label ignored, as in the packed row."""
     rows = []
     for doc, begin, length in prepared.windows.pieces(window):
-        row = prepared.tokens[doc]
+        row = prepared.tokens.slice(doc, 1).to_pylist()[0]
         labels = torch.tensor(row["labels"][begin:begin + length])
         labels[0] = -100
         rows.append((torch.tensor(row["input_ids"][begin:begin + length])[None], labels[None]))

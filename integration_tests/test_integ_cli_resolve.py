@@ -252,7 +252,7 @@ def test_the_jobs_ignore_index_labels_the_data_and_keys_the_sft_cache(tmp_path):
     assert [s.built for s in other.train_sources] == [True, False]  # only the SFT labels depend on it
     assert sft.key != default.train_sources[0].key and sft.identity != default.train_sources[0].identity
     assert text.key == default.train_sources[1].key
-    labels = set(_flat(sft.tokens["labels"]))
+    labels = set(_flat(sft.tokens.column("labels").to_pylist()))
     assert -7 in labels and IGNORE_INDEX not in labels
     assert sft.stats["loss_tokens"] == default.train_sources[0].stats["loss_tokens"]
     batch = other.train.batch_at(0, 4)

@@ -30,7 +30,7 @@ def _load(tmp_path, sources=None, **data):
 
 
 def _all_tokens(source) -> list[list[int]]:
-    return [list(ids) for ids in source.tokens["input_ids"]]
+    return source.tokens.column("input_ids").to_pylist()
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_sft_labels_are_exactly_the_assistant_turns(tmp_path):
         body = tokenizer.encode_with_offsets(f"{m['content']}<|im_end|>\n")[0]
         ids += head + body
         mask += [False] * len(head) + [m["role"] == "assistant"] * len(body)
-    row = data.train_sources[0].tokens[0]
+    row = data.train_sources[0].tokens.slice(0, 1).to_pylist()[0]
     assert row["input_ids"] == ids
     assert row["labels"] == [i if keep else IGNORE for i, keep in zip(ids, mask, strict=True)]
     batch = data.train.next_batch(1, 0, 1)

@@ -48,7 +48,7 @@ def _write(path: Path, texts: list[str]) -> None:
 
 
 def _tokens(source) -> list[list[int]]:
-    return [list(ids) for ids in source.tokens["input_ids"]]
+    return source.tokens.column("input_ids").to_pylist()
 
 
 def _expected(texts: list[str]) -> list[list[int]]:

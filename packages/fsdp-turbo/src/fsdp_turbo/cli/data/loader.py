@@ -69,7 +69,7 @@ def _slice(column, doc: int, start: int, length: int) -> list[int]:
 def window_row(source: PreparedSource, window: int, seq_len: int, pad_id: int,
                ignore_index: int = IGNORE_INDEX) -> tuple[list[int], ...]:
     """(input_ids, labels, position_ids, attention_mask) of one window, as lists."""
-    table = source.tokens.data
+    table = source.tokens
     tokens = table.column("input_ids")
     targets = table.column("labels") if "labels" in table.column_names else tokens
     ids, labels, positions = [], [], []

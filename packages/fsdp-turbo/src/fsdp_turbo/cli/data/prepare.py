@@ -87,7 +87,9 @@ class PreparedSource:
     spec: SourceSpec
     key: str  # the cache entry's folder name
     identity: str  # what the tokens are, the same for a copy of the files (what a resume checks)
-    tokens: Any  # datasets.Dataset: input_ids (and labels for SFT), memory-mapped
+    # pyarrow.Table: input_ids (and labels for SFT), memory-mapped. Read with pyarrow, not
+    # datasets: each rank opens it at start, and datasets' import alone costs 0.5 s there.
+    tokens: Any
     windows: Windows
     stats: dict[str, int]
     built: bool  # this process tokenized it (False: it found the cache)
@@ -192,7 +194,7 @@ def _tokenize(table, spec: SourceSpec, tokenizer, out: Path, ignore_index: int):
 def _lengths(tokens) -> np.ndarray:
     import pyarrow.compute as pc
 
-    return pc.list_value_length(tokens.data.column("input_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+    return pc.list_value_length(tokens.column("input_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def _statistics(tokens, lengths: np.ndarray, windows: Windows, seq_len: int, sft: bool,
@@ -201,7 +203,7 @@ def _statistics(tokens, lengths: np.ndarray, windows: Windows, seq_len: int, sft
     if sft:  # counted in Arrow, without the table in Python lists
         import pyarrow.compute as pc
 
-        labels = pc.list_flatten(tokens.data.column("labels"))
+        labels = pc.list_flatten(tokens.column("labels"))
         loss = int(pc.sum(pc.not_equal(labels, ignore_index)).as_py() or 0)
     else:
         loss = kept - len(windows.doc)  # a piece's first token is predicted by nothing
@@ -214,7 +216,7 @@ def _build(spec: SourceSpec, tokenizer, layout: dict[str, Any], datasets_cache: 
     """Tokenize and pack into ``out``; ``layout``: seq_len, packing, overflow and ignore_index."""
     seq_len, ignore_index = layout["seq_len"], layout["ignore_index"]
     table = _limit_files(load_table(spec.paths, spec.path_field, datasets_cache), spec)
-    tokens = _tokenize(table, spec, tokenizer, out, ignore_index)
+    tokens = _tokenize(table, spec, tokenizer, out, ignore_index).data
     lengths = _lengths(tokens)
     if not lengths.sum():
         raise ConfigError(spec.path_field, spec.path, "give a source with text in it",
@@ -266,7 +268,6 @@ def _open_entry(folder: Path) -> _Entry | None:
     if not folder.exists() and not folder.is_symlink():
         return None
     import pyarrow as pa
-    from datasets import Dataset
 
     manifest = _read_manifest(folder)
     _check_sizes(folder, manifest["files"])
@@ -275,7 +276,8 @@ def _open_entry(folder: Path) -> _Entry | None:
             windows = Windows(arrays["doc"], arrays["start"], arrays["length"], arrays["offsets"],
                               int(arrays["dropped"]))
         stats = json.loads((folder / STATS).read_text(encoding="utf-8"))
-        tokens = Dataset.from_file(str(folder / TOKENS))
+        # datasets writes its Arrow files as IPC streams (what its own Dataset.from_file maps)
+        tokens = pa.ipc.open_stream(pa.memory_map(str(folder / TOKENS))).read_all()
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, pa.ArrowException) as error:
         raise _Damaged(f"{type(error).__name__}: {error}") from None
     if not isinstance(stats, dict) or stats.get("windows") != len(windows) or (
