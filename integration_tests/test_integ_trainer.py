@@ -59,11 +59,36 @@ def test_trainer_at_every_layout_matches_the_one_process_trainer(tmp_path):
     for run in ranks:
         torch.testing.assert_close(run["resumed_at_dp2"]["loss"], reference["loss"], rtol=1e-5, atol=0)
     _assert_same_saved_model(tmp_path / "resumed_at_dp2" / "model", tmp_path / "one" / "model")
+    _assert_background_saves(ranks, tmp_path / "async")
     # a model that returns logits: its loss is core.lm_loss's, the global token mean as the script's own loss function
     for run in ranks:
         torch.testing.assert_close(run["logits_fsdp4"]["loss"], references["logits"]["loss"], rtol=1e-5, atol=0)
         for ours, theirs in zip(run["logits_fsdp4"]["grad_norm"], references["logits"]["grad_norm"], strict=True):
             assert math.isclose(ours, theirs, rel_tol=0, abs_tol=1e-4), (ours, theirs)
+
+
+def _assert_background_saves(ranks, output):
+    """fsdp4 with fsdp_turbo_async_save=True: the same steps, bit for bit. The save of checkpoint-4 failed on rank 1
+    in the background (once every rank's shards were written); train() raised it on every rank with rank 1's message,
+    and checkpoint-4 has no sharded state, only the partial folder. resume_from_checkpoint=True then passed over it:
+    steps 3 and 4 from checkpoint-2 (written in the background) on fsdp4's rows, and fsdp4's final model, bit for
+    bit; its own checkpoint-4 is complete."""
+    for rank, run in enumerate(ranks):
+        failed, resumed, whole = run["async"], run["async_resumed"], run["fsdp4"]
+        assert failed["loss"] == whole["loss"] and failed["grad_norm"] == whole["grad_norm"]
+        assert "injected: rank 1 could not finish writing its shards" in str(failed["error"])
+        if rank != 1:  # the others' PeerFailure names what failed
+            assert "the shards of checkpoint-4/fsdp_turbo_state: rank 1 failed" in str(failed["error"])
+        assert resumed["error"] is None
+        assert resumed["loss"] == whole["loss"] and resumed["grad_norm"] == whole["grad_norm"]
+        assert all(torch.equal(a, b) for a, b in zip(resumed["inputs"], whole["inputs"][2:], strict=True))
+    assert type(ranks[1]["async"]["error"]) is OSError  # the others raise PeerFailure, naming it
+    left = ranks[0]["async"]["left_in_checkpoint_4"]
+    assert "fsdp_turbo_state.partial" in left and "fsdp_turbo_state" not in left and "trainer_state.json" in left
+    _assert_same_saved_model(output / "model", output.parent / "fsdp4" / "model", atol=0)
+    for step in (2, 4):
+        assert (output / f"checkpoint-{step}" / "fsdp_turbo_state" / "meta.json").is_file()
+    assert not (output / "checkpoint-4" / "fsdp_turbo_state.partial").exists()
 
 
 def _assert_matches(reference, ranks, name):
@@ -154,6 +179,33 @@ def test_training_arguments_it_cannot_honour_are_refused(tmp_path, monkeypatch, 
         _construct(tmp_path, config, **arguments)
     assert error.value.field.startswith(field), error.value
     assert fix in error.value.fix and "Fix: " in str(error.value)
+
+
+@pytest.mark.parametrize("async_save, arguments, field, fix", [
+    (True, {"save_total_limit": 1}, "save_total_limit", "set save_total_limit to 2 or more"),
+    ("yes", {}, "fsdp_turbo_async_save", "pass True or False")], ids=["one checkpoint kept", "not a bool"])
+def test_background_saves_that_could_leave_no_checkpoint_are_refused(tmp_path, async_save, arguments, field, fix):
+    """With save_total_limit=1 the Trainer deletes the previous checkpoint as the next begins: while that one is
+    written in the background, no complete checkpoint would exist."""
+    trainer_cls = with_fsdp_turbo(transformers.Trainer)
+    args = training_arguments(str(tmp_path), PER_RANK, save_strategy="steps", save_steps=2, **arguments)
+    with pytest.raises(ConfigError) as error:
+        trainer_cls(model=tiny_hf_causal_lm("llama"), args=args, train_dataset=token_dataset(),
+                    fsdp_turbo_config={}, fsdp_turbo_async_save=async_save)
+    assert error.value.field == field and fix in error.value.fix
+
+
+def test_resume_from_the_last_complete_checkpoint_and_none_if_none_is(tmp_path):
+    from fsdp_turbo.core.errors import CheckpointError
+    from fsdp_turbo.integrations.transformers import last_complete_checkpoint
+
+    for name, state in [("checkpoint-2", "fsdp_turbo_state"), ("checkpoint-10", "fsdp_turbo_state"),
+                        ("checkpoint-12", "fsdp_turbo_state.partial"), ("checkpoint-x", "fsdp_turbo_state")]:
+        (tmp_path / name / state).mkdir(parents=True)
+        (tmp_path / name / state / ".metadata").write_bytes(b"")
+    assert last_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-10"  # by step, not by name; 12 cut short
+    with pytest.raises(CheckpointError, match="has no checkpoint-N folder whose fsdp_turbo_state/ is complete"):
+        last_complete_checkpoint(tmp_path / "checkpoint-12")
 
 
 def test_gradient_checkpointing_alone_becomes_fsdp_turbos_recompute(tmp_path):

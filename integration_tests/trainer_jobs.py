@@ -69,10 +69,12 @@ def _record_inputs(model) -> list[torch.Tensor]:
     return seen
 
 
-def train(output_dir: str, per_device: int, config: dict | None, *, resume: str | None = None, **overrides) -> dict:
+def train(output_dir: str, per_device: int, config: dict | None, *, resume: str | bool | None = None,
+          trainer_cls: type | None = None, async_save: bool = False, expected_errors: tuple = (), **overrides) -> dict:
     """Train the tiny Llama for ``STEPS`` steps: the plain Trainer when ``config`` is None, else through
-    ``with_fsdp_turbo``; from ``resume`` (a checkpoint-N folder) when given. Returns the logged losses and grad
-    norms, and the rows each step saw."""
+    ``with_fsdp_turbo`` (``trainer_cls``: a subclass of its class); from ``resume`` (a checkpoint-N folder, or True)
+    when given. Returns the logged losses and grad norms, and the rows each step saw; if ``train`` raises one of
+    ``expected_errors``, that error (and no saved model)."""
     from transformers import Trainer
 
     if config is None:
@@ -87,9 +89,16 @@ def train(output_dir: str, per_device: int, config: dict | None, *, resume: str 
     else:
         from fsdp_turbo.integrations.transformers import with_fsdp_turbo
 
-        trainer = with_fsdp_turbo(Trainer)(model=model, args=args, **data, fsdp_turbo_config=config)
-    trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model(f"{output_dir}/model")
+        trainer_cls = trainer_cls or with_fsdp_turbo(Trainer)
+        trainer = trainer_cls(model=model, args=args, **data, fsdp_turbo_config=config,
+                              fsdp_turbo_async_save=async_save)
+    error = None
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except expected_errors as raised:  # the test asserts which
+        error = raised
+    if error is None:
+        trainer.save_model(f"{output_dir}/model")
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     state = trainer.model.parallel_state if config is not None else None
     return {
@@ -102,7 +111,38 @@ def train(output_dir: str, per_device: int, config: dict | None, *, resume: str 
         "dtensor_params": all(type(p).__name__ == "DTensor" for p in trainer.model.parameters()),
         "dp": (state.dp_rank, state.dp_size) if state is not None else (0, 1),
         "saved": sorted(path.name for path in Path(output_dir).glob("checkpoint-*")),
+        "error": error,
     }
+
+
+def _fail_on_rank_1() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise OSError("injected: rank 1 could not finish writing its shards")
+
+
+def _failing_at_checkpoint_4():
+    """``with_fsdp_turbo(Trainer)`` whose background save of checkpoint-4 fails on rank 1 once every rank's shards
+    are written (as a full disk or a lost file system would), while training goes on."""
+    from transformers import Trainer
+
+    from fsdp_turbo.checkpoint import TrainingCheckpointer
+    from fsdp_turbo.integrations.transformers import with_fsdp_turbo
+
+    class FailingSaves(TrainingCheckpointer):
+        def save(self, folder, *args, **kwargs):
+            if Path(folder).parent.name == "checkpoint-4":
+                kwargs["before_complete"] = _fail_on_rank_1
+            super().save(folder, *args, **kwargs)
+
+    class FailingTrainer(with_fsdp_turbo(Trainer)):
+        def fsdp_turbo_checkpointer(self):
+            if self._checkpointer is None:
+                self._checkpointer = FailingSaves(async_save=True)
+            return self._checkpointer
+
+    return FailingTrainer
 
 
 class TinyLogitsLM(torch.nn.Module):
@@ -187,7 +227,8 @@ LAYOUTS = {
 
 def train_layouts(output_dir: str) -> dict:
     """One launch: the Trainer at each layout of ``LAYOUTS``; then, from fsdp4's checkpoint-2, a resume at the
-    same layout and one at two data shards (FSDP2 x TP2)."""
+    same layout and one at two data shards (FSDP2 x TP2); the logits model; fsdp4 with its checkpoints written in
+    the background, where the save of checkpoint-4 fails, then resumed with ``resume_from_checkpoint=True``."""
     runs = {name: train(f"{output_dir}/{name}", per_device, config, **overrides)
             for name, (per_device, config, overrides) in LAYOUTS.items()}
     checkpoint = f"{output_dir}/fsdp4/checkpoint-2"
@@ -195,6 +236,14 @@ def train_layouts(output_dir: str) -> dict:
     per_device, config, _ = LAYOUTS["fsdp2_tp2"]
     runs["resumed_at_dp2"] = train(f"{output_dir}/resumed_at_dp2", per_device, config, resume=checkpoint)
     runs["logits_fsdp4"] = train_logits(f"{output_dir}/logits_fsdp4", PER_RANK, FSDP4)
+    # fsdp4's checkpoints written in the background, the last one failing; then resume_from_checkpoint=True
+    saves = LAYOUTS["fsdp4"][2]
+    from fsdp_turbo.core.agreement import PeerFailure
+
+    runs["async"] = train(f"{output_dir}/async", PER_RANK, FSDP4, async_save=True,
+                          trainer_cls=_failing_at_checkpoint_4(), expected_errors=(OSError, PeerFailure), **saves)
+    runs["async"]["left_in_checkpoint_4"] = sorted(p.name for p in Path(f"{output_dir}/async/checkpoint-4").iterdir())
+    runs["async_resumed"] = train(f"{output_dir}/async", PER_RANK, FSDP4, resume=True, async_save=True, **saves)
     return runs
 
 

@@ -133,6 +133,17 @@ def check_training_arguments(args: Any, config: FSDPTurboConfig) -> FSDPTurboCon
     return adopt_mixed_precision(args, config)
 
 
+def check_async_save(args: Any, async_save: bool) -> None:
+    """Refuse background checkpoints that would leave no complete checkpoint behind a failed save. No collectives."""
+    if not isinstance(async_save, bool):
+        raise ConfigError("fsdp_turbo_async_save", async_save, "pass True or False")
+    if async_save and args.save_total_limit == 1:
+        raise ConfigError("save_total_limit", 1, "set save_total_limit to 2 or more (or leave it unset), or save "
+                          "synchronously (fsdp_turbo_async_save=False)",
+                          reason="the Trainer deletes the previous checkpoint as soon as the next one begins, so "
+                                 "while that one is written in the background no complete checkpoint would exist")
+
+
 def check_trainer_inputs(model: Any, args: Any, model_init: Any, optimizers: Any) -> None:
     """Refuse the Trainer's own inputs that ``with_fsdp_turbo`` cannot shard. No collectives."""
     if optimizers and optimizers[0] is not None:

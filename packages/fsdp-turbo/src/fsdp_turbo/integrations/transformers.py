@@ -19,9 +19,11 @@ with four changes:
   shards (the ranks that share a batch are reported to the Trainer as ``get_tp_size()``); for a
   model that returns logits, ``core.lm_loss`` (``trainer_loss``).
 - **Checkpoints**: ``save_steps`` write the trainable parameters and their optimizer state with
-  DCP (``checkpoint-N/fsdp_turbo_state/``) beside the Trainer's own files, and
-  ``resume_from_checkpoint`` reads them at any layout; ``save_model`` writes transformers'
-  layout (or a PEFT adapter) without any rank holding the whole model.
+  DCP (``checkpoint-N/fsdp_turbo_state/``, atomic: complete or absent) beside the Trainer's own
+  files, in the background with ``fsdp_turbo_async_save=True`` (training goes on while they are
+  written; ``fsdp_turbo.checkpoint.TrainingCheckpointer``). ``resume_from_checkpoint`` reads them
+  at any layout, and ``resume_from_checkpoint=True`` takes the last complete one. ``save_model``
+  writes transformers' layout (or a PEFT adapter) without any rank holding the whole model.
 - **TRL** (``trainer_trl``): where TRL's fused LM head would read around FSDPTurbo's loss
   features, ``SFTTrainer`` trains on the model's own loss and other TRL trainers are refused;
   ``DPOTrainer``'s reference model is sharded like the policy.
@@ -46,8 +48,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_turbo.cli.checkpoint import read_trainable_state, write_trainable_state
+from fsdp_turbo.checkpoint.training import TrainingCheckpointer, read_trainable_state
 from fsdp_turbo.core.errors import CheckpointError, ConfigError
+from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.fsdp_turbo import FSDPTurbo, as_config
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
@@ -56,9 +59,13 @@ try:  # transformers is a dependency of the fsdp-turbo package (not of turbo-cor
     import transformers
     from packaging.version import Version
     from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
-    from transformers.trainer_utils import SaveStrategy
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
-    from fsdp_turbo.integrations.trainer_arguments import check_trainer_inputs, check_training_arguments
+    from fsdp_turbo.integrations.trainer_arguments import (
+        check_async_save,
+        check_trainer_inputs,
+        check_training_arguments,
+    )
     from fsdp_turbo.integrations.trainer_data import check_even_eval_batches, feed_data_shard
     from fsdp_turbo.integrations.trainer_loss import computes_its_loss, logits_model_loss
     from fsdp_turbo.integrations.trainer_trl import (
@@ -80,6 +87,7 @@ TESTED_VERSIONS = {"transformers": "5.23", "accelerate": "1.15", "trl": "1.16"}
 MIN_TRANSFORMERS = "5.23"
 
 T = TypeVar("T", bound=type)
+_log = get_logger(__name__)
 _SAVE_SCRATCH = ".fsdp_turbo_save"  # save_model's scratch folder inside output_dir
 
 ConfigLike = FSDPTurboConfig | Mapping[str, Any] | str | Path
@@ -114,7 +122,8 @@ class FSDPTurboTrainerMixin:
     # parameters that FSDP does not shard identical across ranks; and has every rank take part in saving.
     is_distributed_loading_by_transformers = property(_owns_placement, _ignore_assignment)
 
-    def __init__(self, *args: Any, fsdp_turbo_config: ConfigLike | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fsdp_turbo_config: ConfigLike | None = None, fsdp_turbo_async_save: bool = False,
+                 **kwargs: Any) -> None:
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
         bound.apply_defaults()  # every parameter named, e.g. DPOTrainer's ref_model when not given
         model, training_args = bound.arguments.get("model"), bound.arguments.get("args")
@@ -123,6 +132,7 @@ class FSDPTurboTrainerMixin:
         check_trainer_inputs(model, training_args, bound.arguments.get("model_init"),
                               bound.arguments.get("optimizers"))
         config = check_training_arguments(training_args, config)
+        check_async_save(training_args, fsdp_turbo_async_save)
         check_trl_trainer(type(self), bound.arguments, config)
         adapter_first(bound.arguments)
         bound.arguments["model"] = FSDPTurbo(config, bound.arguments["model"])
@@ -130,6 +140,8 @@ class FSDPTurboTrainerMixin:
             bound.arguments["ref_model"] = FSDPTurbo(config, bound.arguments["ref_model"])
         self.fsdp_turbo_config = config
         self._writing_checkpoint = False
+        self._async_save = fsdp_turbo_async_save
+        self._checkpointer: TrainingCheckpointer | None = None  # made at the first save (it makes a process group)
         self._loss_through_model = loss_through_model(type(self), config)
         if self._loss_through_model:
             warn_metrics_not_logged(type(self), config)
@@ -242,9 +254,28 @@ class FSDPTurboTrainerMixin:
             self._writing_checkpoint = False
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        write_trainable_state(Path(output_dir) / SHARDED_STATE, self.model, self.optimizer)
+        meta = {"global_step": self.state.global_step}
+        self.fsdp_turbo_checkpointer().save(Path(output_dir) / SHARDED_STATE, self.model, self.optimizer, meta)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
+
+    def fsdp_turbo_checkpointer(self) -> TrainingCheckpointer:
+        """What writes the sharded state of each ``save_steps`` checkpoint (collective on first call)."""
+        if self._checkpointer is None:
+            self._checkpointer = TrainingCheckpointer(async_save=self._async_save, device=self.args.device.type,
+                                                      timeout_s=self.args.ddp_timeout)
+        return self._checkpointer
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; ``resume_from_checkpoint=True`` takes the last checkpoint whose sharded state is
+        complete (a save that a crash or a failure cut short is passed over, with a warning). It returns once the
+        last checkpoint is complete on disk."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = str(last_complete_checkpoint(self.args.output_dir))
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+        return output
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         # Only checked here: the parameters are read with their optimizer state, once the optimizer exists.
@@ -259,6 +290,8 @@ class FSDPTurboTrainerMixin:
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
     def _load_best_model(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.wait()  # the best may be the save still in flight
         read_trainable_state(_sharded_state(self.state.best_model_checkpoint), self.model, None)
 
 
@@ -272,6 +305,28 @@ def _sharded_state(checkpoint: str | os.PathLike) -> Path:
                               "written by a with_fsdp_turbo Trainer (its save_steps), or start without it",
                               reason=f"it has no {SHARDED_STATE}/ (the model and optimizer state, sharded)")
     return folder
+
+
+def _step_of(folder: Path) -> int | None:
+    number = folder.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
+    return int(number) if number.isdigit() and folder.is_dir() else None
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike) -> Path:
+    """The ``checkpoint-N`` folder of ``output_dir`` with the largest N whose sharded state is complete; newer ones
+    (a save cut short: only ``fsdp_turbo_state.partial/``) are named in one warning."""
+    found = sorted((step, folder) for folder in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+                   if (step := _step_of(folder)) is not None)
+    complete = [folder for _, folder in found if (folder / SHARDED_STATE / ".metadata").is_file()]
+    if not complete:
+        raise CheckpointError("resume_from_checkpoint", True, "start without resume_from_checkpoint, or name a "
+                              "checkpoint-N folder", reason=f"{output_dir} has no checkpoint-N folder whose "
+                              f"{SHARDED_STATE}/ is complete")
+    cut_short = [folder.name for step, folder in found if step > _step_of(complete[-1])]
+    if cut_short:
+        _log.warning(f"resuming from {complete[-1].name}: {', '.join(cut_short)} did not finish writing their "
+                     f"{SHARDED_STATE}/ (a save cut short by a crash or a failure)")
+    return complete[-1]
 
 
 @contextlib.contextmanager

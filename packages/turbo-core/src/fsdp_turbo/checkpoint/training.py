@@ -165,11 +165,11 @@ class TrainingCheckpointer:
         final = Path(folder)
         partial = final.with_name(f"{final.name}.partial")
         text = json.dumps(meta or {}, indent=1)  # the meta of this moment, whatever changes after
-        with every_rank_or_none(f"begin the checkpoint {final.name}", self.device):
+        with every_rank_or_none(f"begin the checkpoint {_label(final)}", self.device):
             if _rank() == 0:
                 shutil.rmtree(partial, ignore_errors=True)  # left by a crash
                 partial.mkdir(parents=True)
-        with every_rank_or_none(f"begin the checkpoint {final.name}", self.device):
+        with every_rank_or_none(f"begin the checkpoint {_label(final)}", self.device):
             if rank_files is not None:
                 rank_files(partial)
         state = trainable_state(model, optimizer)
@@ -190,7 +190,7 @@ class TrainingCheckpointer:
             return
         pending, folder = self._pending, self._pending_folder
         self._pending = self._pending_folder = None
-        with every_rank_or_none(f"write the checkpoint {folder.name} in the background", self.device):
+        with every_rank_or_none(f"write the checkpoint {_label(folder)} in the background", self.device):
             pending.result()
 
     def close(self) -> None:
@@ -214,16 +214,21 @@ class _Completion:
         self.before, self.on_complete = before, on_complete
 
     def run(self, device: torch.device, group: dist.ProcessGroup | None) -> None:
-        with every_rank_or_none(f"finish the shards of {self.final.name}", device, group):
+        with every_rank_or_none(f"finish the shards of {_label(self.final)}", device, group):
             if self.before is not None:
                 self.before()
-        with every_rank_or_none(f"complete the checkpoint {self.final.name}", device, group):
+        with every_rank_or_none(f"complete the checkpoint {_label(self.final)}", device, group):
             if _rank() == 0:
                 (self.partial / META).write_text(self.meta_text, encoding="utf-8")
                 fsync_tree(self.partial)
                 move_into_place(self.partial, self.final)
                 if self.on_complete is not None:
                     self.on_complete(self.final)
+
+
+def _label(folder: Path) -> str:
+    """A checkpoint's name in messages: its folder and the one above (``run/step-4``, ``checkpoint-4/state``)."""
+    return f"{folder.parent.name}/{folder.name}"
 
 
 def _after(upload: Future, finish: _Completion, group: dist.ProcessGroup | None) -> None:
