@@ -35,6 +35,7 @@ def base_job(inputs: dict, output: str, **sections: Any) -> dict:
            "data": {"sources": [{"path": f"{inputs['data']}/train.jsonl", "text_field": "text"}], "seq_len": 32},
            "run": {"steps": 2, "micro_batch": 2},
            "checkpoint": {"save_every": 1},
+           "logging": {"plot": False},  # drawn and checked in test_integ_cli
            "output_dir": str(Path(inputs["root"]) / output)}
     for name, section in sections.items():
         job[name] = {**job.get(name, {}), **section}

@@ -101,18 +101,25 @@ def _one_data_cache(tmp_path_factory):
     del JOB["data"]["cache_dir"]
 
 
+# The runs compared with the reference draw no loss plot: the reference's is checked, and matplotlib
+# would add its import and drawing to the end of every run.
+NO_PLOT = {"logging": {"plot": False}}
+
+
 @pytest.fixture(scope="module")
 def job_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("job") / "job.yaml"
-    path.write_text(yaml.safe_dump(JOB))
+    path.write_text(yaml.safe_dump({**JOB, **NO_PLOT}))
     return path
 
 
 @pytest.fixture(scope="module")
-def reference(job_file, tmp_path_factory):
-    """The uninterrupted 6-step run."""
+def reference(tmp_path_factory):
+    """The uninterrupted 6-step run (with the loss plot, the default)."""
+    path = tmp_path_factory.mktemp("reference-job") / "job.yaml"
+    path.write_text(yaml.safe_dump(JOB))
     output = tmp_path_factory.mktemp("reference")
-    train(job_file, output)
+    train(path, output)
     return output
 
 
@@ -148,7 +155,7 @@ def stopped_and_resumed(job_file, reference, tmp_path_factory):
     start = init_weights(build_model(JobConfig.from_dict(JOB).model), seed=JOB["run"]["seed"])
     start.save_pretrained(root / "start")  # transformers' own save, in the checkpoint layout
     path_job = root / "path_job.yaml"
-    path_job.write_text(yaml.safe_dump({**JOB, "model": {"model_name_or_path": str(root / "start")}}))
+    path_job.write_text(yaml.safe_dump({**JOB, **NO_PLOT, "model": {"model_name_or_path": str(root / "start")}}))
     out = root / "out"
     plan = fsdp_turbo("plan", path_job, "--world-size", 2).stdout
     stopped = train(path_job, out, 2, "--stop-at-step", 3)
@@ -198,6 +205,7 @@ def test_kill_9_of_a_worker_recovers_bit_identically(job_file, reference, tmp_pa
     assert "resumed from" in result.stderr and "step-4 at step 4" in result.stderr  # ... which resumed
     assert_same_weights(weights(tmp_path), weights(reference))
     assert [r["step"] for r in metrics(tmp_path)] == list(range(1, 7))
+    assert not (tmp_path / "loss.png").exists()  # logging.plot: false
 
 
 @pytest.mark.parametrize("saving", ["sync", "async"])
@@ -208,7 +216,7 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint(saving, job_file, 
     the run ends as the uninterrupted, synchronously saved one: its losses and weights to the bit."""
     if saving == "async":
         job_file = tmp_path / "async.yaml"
-        job_file.write_text(yaml.safe_dump({**JOB, "checkpoint": {**JOB["checkpoint"], "async_save": True}}))
+        job_file.write_text(yaml.safe_dump({**JOB, **NO_PLOT, "checkpoint": {**JOB["checkpoint"], "async_save": True}}))
     output = tmp_path / "out"
     crashed = train(job_file, output, 2, env={"FSDP_TURBO_FAULTS": "crash_save@4"}, check=False)
     assert crashed.returncode != 0
@@ -277,7 +285,7 @@ def test_a_non_finite_step_stops_the_job_and_keeps_the_last_good_checkpoint(job_
 
 def test_run_nonfinite_skip_drops_the_step_counts_it_and_goes_on(tmp_path):
     path = tmp_path / "skip.yaml"
-    path.write_text(yaml.safe_dump({**JOB, "run": {**JOB["run"], "nonfinite": "skip", "max_skipped": 2}}))
+    path.write_text(yaml.safe_dump({**JOB, **NO_PLOT, "run": {**JOB["run"], "nonfinite": "skip", "max_skipped": 2}}))
     train(path, tmp_path / "out", 2, env={"FSDP_TURBO_FAULTS": "nan@3"})
     rows = metrics(tmp_path / "out")
     assert [r["step"] for r in rows] == list(range(1, 7)) and (tmp_path / "out" / "final").is_dir()

@@ -35,6 +35,7 @@ JOB = {
     "run": {"steps": 6, "micro_batch": 2, "seed": 0},
     "checkpoint": {"save_every": 2, "keep": 3},
     "turbo": {"recompute": True},
+    "logging": {"plot": False},  # drawn and checked in test_integ_cli
 }
 QLORA_PLAN = {"quant_format": "E4M3", "apply_modules": ["*_proj"], "store_frozen_weights": True}
 JOBS = {"lora": JOB, "qlora-mx": {**JOB, "turbo": {**JOB["turbo"], "quantization_plan": QLORA_PLAN}}}

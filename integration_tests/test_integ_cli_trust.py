@@ -29,6 +29,7 @@ JOB = {
     "data": {"files": ["stdlib:*.py"], "seq_len": 32, "max_bytes": 100_000},
     "run": {"steps": 4, "micro_batch": 2},
     "checkpoint": {"save_every": 2, "keep": 2},
+    "logging": {"plot": False},  # drawn and checked in test_integ_cli
 }
 
 

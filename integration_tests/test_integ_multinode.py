@@ -38,6 +38,7 @@ def _job() -> dict:
     job["run"] = {"steps": 8, "micro_batch": 2, "global_batch": 8, "seed": 0}
     job["checkpoint"] = {"save_every": 2, "keep": 2}
     job["turbo"] = {"data_parallel_size": 2, "fully_shard_parallel_size": -1}
+    job["logging"] = {"plot": False}  # drawn and checked in test_integ_cli
     return job
 
 

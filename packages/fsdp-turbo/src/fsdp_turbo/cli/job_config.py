@@ -255,11 +255,16 @@ class DataSection(ConfigSection):
 
 @dataclass(frozen=True)
 class LoggingSection(ConfigSection):
-    """What rank 0 reports besides ``metrics.jsonl``: TensorBoard scalars
+    """What rank 0 reports besides ``metrics.jsonl``: the loss plot, TensorBoard scalars
     (``torch.utils.tensorboard``), and how often a plain progress line is logged."""
 
     _prefix: ClassVar[str] = "logging"
 
+    plot: bool = True
+    """``true`` (the default): once the run ends, rank 0 draws ``OUTPUT/loss.png`` (loss, eval
+    loss and learning rate against the step, with matplotlib). ``false``: no plot, and the run
+    ends a few seconds sooner (matplotlib's import and drawing, while the other ranks wait);
+    ``metrics.jsonl`` holds the same figures."""
     tensorboard: bool = False
     """``true``: rank 0 also writes loss, eval loss, learning rate, gradient norm, tokens/s and
     peak memory as TensorBoard scalars into ``OUTPUT/tensorboard/``. Default ``false``."""
@@ -270,6 +275,7 @@ class LoggingSection(ConfigSection):
     ``metrics.jsonl`` has a row for every step either way."""
 
     def __post_init__(self) -> None:
+        check_bool(self.plot, "logging.plot")
         check_bool(self.tensorboard, "logging.tensorboard")
         check_int(self.every, "logging.every", minimum=1)
 
@@ -521,8 +527,8 @@ class JobConfig(ConfigSection):
     """How often training checkpoints are written and how many are kept. Default: one at the
     end, three kept."""
     logging: LoggingSection = field(default_factory=LoggingSection)
-    """TensorBoard and the plain progress lines' interval. Default: no TensorBoard, a line
-    every step."""
+    """The loss plot, TensorBoard and the plain progress lines' interval. Default: the plot, no
+    TensorBoard, a line every step."""
     peft: PeftSection | None = None
     """LoRA fine-tuning (``peft.method``, ``r``, ``alpha``, ``dropout``, ``target_modules``,
     ``target_parameters``). Unset: full fine-tuning."""
@@ -531,7 +537,7 @@ class JobConfig(ConfigSection):
     loss, swapping, quantization, compile), in its own field names. Default: FSDP over every
     rank, nothing else."""
     output_dir: str = "fsdp_turbo_output"
-    """The folder the run writes to: ``metrics.jsonl``, ``loss.png``, ``checkpoints/``,
+    """The folder the run writes to: ``metrics.jsonl``, ``loss.png`` (``logging.plot``), ``checkpoints/``,
     ``final/`` (the model in transformers' layout), ``tensorboard/`` and, by default, the
     data cache. Relative to the folder the command runs in; default ``fsdp_turbo_output``.
     ``--output-dir`` overrides it."""

@@ -398,9 +398,10 @@ def _finish(session: Session) -> None:
     save_pretrained(session.model, output / "final")  # a PEFT model: its adapter, in PEFT's format
     if session.job.peft is not None and session.job.peft.export_merged:
         save_pretrained(session.model, output / "final_merged", merge_adapters=True)
-    with every_rank_or_none("plot the loss", session.device):
-        if session.rank0:
-            plot_loss(output)
+    if session.job.logging.plot:
+        with every_rank_or_none("plot the loss", session.device):
+            if session.rank0:
+                plot_loss(output)
 
 
 # ----- the whole run ---------------------------------------------------------------------------
