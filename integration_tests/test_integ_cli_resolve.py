@@ -49,7 +49,7 @@ EVERY_SECTION = {
     "run": {"steps": 12, "micro_batch": 3, "grad_accum": 1, "global_batch": 24, "seed": 7, "nonfinite": "skip",
             "max_skipped": 3, "collective_timeout_s": 120.5, "preemption_signals": ["SIGUSR2"]},
     "checkpoint": {"save_every": 4, "keep": 1, "async_save": True},
-    "logging": {"tensorboard": True, "every": 5},
+    "logging": {"plot": False, "tensorboard": True, "every": 5},
     "peft": {"r": 4, "alpha": 8.0, "dropout": 0.1, "target_modules": ["*q_proj"], "export_merged": True},
     "turbo": {
         "data_parallel_size": 2, "fully_shard_parallel_size": 2, "tensor_parallel_size": 2,
