@@ -40,6 +40,12 @@ def _rank_1_dies():
     dist.barrier()
 
 
+def _tensors():
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    return {"float32": base, "view": base[1:, ::2], "bfloat16": base.bfloat16(), "bool": base > 3,
+            "int64": torch.arange(5), "needs_grad": torch.ones(2, requires_grad=True), "scalar": torch.tensor(2.5)}
+
+
 def _sleep_forever():
     time.sleep(3600)
 
@@ -71,6 +77,15 @@ def test_a_rank_that_dies_is_the_root_cause_not_its_peers_reset_connection():
     with pytest.raises(RankFailure, match="rank 1 was killed by signal 9 and left no result") as info:
         run_distributed(_rank_1_dies, 2, timeout=120)
     assert any("rank 1 of 2" in note for note in info.value.__notes__)
+
+
+def test_tensors_come_back_as_they_were():
+    """Plain CPU tensors travel as numpy arrays (fast); the rest through torch's own pickling."""
+    expected = _tensors()
+    for got in run_distributed(_tensors, 2, timeout=60):
+        for name, tensor in expected.items():
+            assert got[name].dtype == tensor.dtype and got[name].requires_grad == tensor.requires_grad, name
+            assert torch.equal(got[name].detach(), tensor.detach()), name
 
 
 def test_timeout_kills_a_hang():

@@ -27,6 +27,7 @@ from fsdp_turbo.core.testing.ranks import (
     _join_group,
     _mp_context,
     _Outcome,
+    _payload,
     _raise_from,
     _rank_environment,
     device_under_test,
@@ -58,10 +59,7 @@ def _worker(rank: int, world_size: int, port: int | None, backend: str, num_thre
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    try:
-        payload = pickle.dumps(outcome)
-    except Exception:
-        payload = pickle.dumps(_Outcome(False, RankFailure(repr(outcome.value)), outcome.traceback, outcome.when))
+    payload = _payload(outcome)
     tmp = os.path.join(out_dir, f"{rank}.tmp")
     with open(tmp, "wb") as handle:
         handle.write(payload)

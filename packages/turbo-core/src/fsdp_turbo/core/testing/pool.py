@@ -48,11 +48,11 @@ from typing import Any
 
 from fsdp_turbo.core.testing.ranks import (
     _GRACE_S,
-    RankFailure,
     _died,
     _join_group,
     _mp_context,
     _Outcome,
+    _payload,
     _raise_from,
     _rank_environment,
     device_under_test,
@@ -185,11 +185,7 @@ def _serve(rank: int, world_size: int, num_threads: int, conn: Connection) -> No
         fresh.restore()
         sys.path[:] = path  # before unpickling the function: its module may live on the test's path
         outcome = _run_task(rank, world_size, port, backend, call)
-        try:
-            payload = pickle.dumps(outcome)
-        except Exception:  # an unpicklable result or error: its repr and traceback still go back
-            payload = pickle.dumps(_Outcome(False, RankFailure(repr(outcome.value)), outcome.traceback, outcome.when))
-        conn.send_bytes(payload)
+        conn.send_bytes(_payload(outcome))
 
 
 def _run_task(rank: int, world_size: int, port: int | None, backend: str, call: bytes) -> _Outcome:

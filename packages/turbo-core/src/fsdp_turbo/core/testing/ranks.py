@@ -4,8 +4,10 @@ an outcome travels back and is raised (``harness`` forks ranks per call, ``pool`
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,6 +100,37 @@ def _died(rank: int, exitcode: int | None) -> _Outcome:
         how = f"exited with code {exitcode}"
     return _Outcome(False, RankFailure(f"rank {rank} {how} and left no result (a crash's stack is on stderr)"),
                     "", float("-inf"))
+
+
+# Plain CPU tensors travel as numpy arrays: torch's own pickling writes each storage through
+# torch.save, several times slower for the thousands of small tensors a parity record holds.
+_NUMPY_DTYPES = ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def _tensor_from_numpy(array: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(array)
+
+
+class _OutcomePickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if (type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad
+                and str(obj.dtype).removeprefix("torch.") in _NUMPY_DTYPES):
+            return _tensor_from_numpy, (obj.resolve_conj().resolve_neg().numpy(),)
+        return NotImplemented
+
+
+def _payload(outcome: _Outcome) -> bytes:
+    """``outcome`` pickled (an unpicklable result or error: its repr and traceback instead)."""
+    buffer = io.BytesIO()
+    try:
+        _OutcomePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(outcome)
+    except Exception:  # an unpicklable result or error: its repr and traceback still go back
+        return pickle.dumps(_Outcome(False, RankFailure(repr(outcome.value)), outcome.traceback, outcome.when))
+    return buffer.getvalue()
 
 
 def _raise_from(rank: int, world_size: int, outcome: _Outcome) -> None:
