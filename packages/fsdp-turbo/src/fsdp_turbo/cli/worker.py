@@ -362,6 +362,7 @@ def _loop(session: Session, last: int) -> int:
     job = session.job
     shown = progress(job.run.steps, session.start, last, enabled=session.rank0, every=job.logging.every)
     done = session.start
+    began = time.perf_counter()
     for step in range(session.start + 1, last + 1):
         result = _train_step(session, step)
         _report(session, step, _metrics_row(session, step, result, _eval(session, step)), shown)
@@ -378,6 +379,9 @@ def _loop(session: Session, last: int) -> int:
             break
     session.saver.close()  # the last checkpoint is complete before the job goes on or ends
     session.notice.close()
+    # what the saves cost the run, without the start and the export (tools/bench/checkpoint_save.py)
+    _log.info(f"the training loop ran steps {session.start + 1}-{done} in {time.perf_counter() - began:.2f} s, "
+              "its checkpoints included")
     shown.close()
     if session.board is not None:
         session.board.close()
