@@ -28,7 +28,7 @@ EXPECTED = {
     "glm4_moe": ("glm-4-moe", [("softmax", None, None)] * 2, 0, 0, 0, 1, 0, 0, (4, 2, 16, 16)),
     "minimax_m2": ("minimax-m2", [("softmax", None, None)] * 2, 0, 0, 4, 2, 0, 0, (4, 2, 16, 16)),
     "gemma4": ("gemma-4", [("sliding", 4, None), ("softmax", None, None)] * 2, 0, 0, 0, 4, 0, 0, (4, 2, 16, 16)),
-    "llama4": ("llama-4", [("chunked", None, 8)] * 3 + [("softmax", None, None)], 0, 0, 0, 2, 0, 0, (4, 2, 16, 16)),
+    "llama4": ("llama-4", [("chunked", None, 6)] * 3 + [("softmax", None, None)], 0, 0, 0, 2, 0, 0, (4, 2, 16, 16)),
     "kimi_linear": ("kimi-linear", [("linear", None, None), ("softmax", None, None)], 0, 2, 0, 1, 0, 0,
                     (4, 4, 24, 16)),
     "deepseek_v32": ("deepseek-v3.2", [("sparse", None, None)] * 2, 0, 8, 0, 1, 2, 0, (4, 4, 16, 12)),

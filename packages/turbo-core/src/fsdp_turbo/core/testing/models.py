@@ -78,12 +78,13 @@ TINY_GEMMA4_DEFAULTS: dict[str, Any] = {
     "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32, "final_logit_softcapping": 30.0,
     "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1,
 }
-# Llama 4 (text): chunked attention (chunk 8 of 16 tokens) in layers 0-2, a NoPE full layer 3
+# Llama 4 (text): chunked attention (chunk 6 of 16 tokens: under CP=2 and CP=4 its boundaries fall
+# inside a rank's part of the sequence, so a mask cut per rank would differ) in layers 0-2, a NoPE full layer 3
 # whose queries get the temperature (floor_scale 4: it varies over 16 tokens); MoE in layers 1, 3.
 TINY_LLAMA4_DEFAULTS: dict[str, Any] = {
     "num_hidden_layers": 4, "intermediate_size": 32, "intermediate_size_mlp": 128, "num_local_experts": 8,
     "num_experts_per_tok": 2, "interleave_moe_layer_step": 2, "no_rope_layer_interval": 4,
-    "attention_chunk_size": 8, "floor_scale": 4, "attn_scale": 0.1, "pad_token_id": 0, "bos_token_id": 1,
+    "attention_chunk_size": 6, "floor_scale": 4, "attn_scale": 0.1, "pad_token_id": 0, "bos_token_id": 1,
     "eos_token_id": 2,
 }
 # Kimi Linear: KDA linear attention in layer 0, MLA (no rotary; value heads 16 wide, query/key
