@@ -42,7 +42,6 @@ from fsdp_turbo.checkpoint.training import (
     META,
     TrainingCheckpointer,
     read_trainable_state,
-    write_trainable_state,
 )
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.device import get_rng_state, set_rng_state
@@ -56,7 +55,7 @@ _STEP = re.compile(r"^step-(\d+)$")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 CHECKPOINTS = "checkpoints"
 __all__ = ["CHECKPOINTS", "META", "Resume", "Saved", "complete_checkpoints", "load_checkpoint", "new_run_id",
-           "read_meta", "read_trainable_state", "resolve_resume", "save_checkpoint", "write_trainable_state"]
+           "read_meta", "read_trainable_state", "resolve_resume", "save_checkpoint"]
 
 
 @dataclass(frozen=True)

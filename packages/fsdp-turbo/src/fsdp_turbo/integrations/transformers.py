@@ -298,9 +298,15 @@ class FSDPTurboTrainerMixin:
 SHARDED_STATE = "fsdp_turbo_state"  # the DCP folder inside a Trainer checkpoint-N/
 
 
+def _has_sharded_state(checkpoint: str | os.PathLike) -> bool:
+    """Whether ``checkpoint`` (a checkpoint-N folder) holds its complete sharded state: the
+    checkpointer renames the folder into place only once every rank's shards are in."""
+    return (Path(checkpoint) / SHARDED_STATE / ".metadata").is_file()
+
+
 def _sharded_state(checkpoint: str | os.PathLike) -> Path:
     folder = Path(checkpoint) / SHARDED_STATE
-    if not (folder / ".metadata").is_file():
+    if not _has_sharded_state(checkpoint):
         raise CheckpointError("resume_from_checkpoint", str(checkpoint), "resume from a checkpoint-N folder "
                               "written by a with_fsdp_turbo Trainer (its save_steps), or start without it",
                               reason=f"it has no {SHARDED_STATE}/ (the model and optimizer state, sharded)")
@@ -317,16 +323,17 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> Path:
     (a save cut short: only ``fsdp_turbo_state.partial/``) are named in one warning."""
     found = sorted((step, folder) for folder in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
                    if (step := _step_of(folder)) is not None)
-    complete = [folder for _, folder in found if (folder / SHARDED_STATE / ".metadata").is_file()]
+    complete = [(step, folder) for step, folder in found if _has_sharded_state(folder)]
     if not complete:
         raise CheckpointError("resume_from_checkpoint", True, "start without resume_from_checkpoint, or name a "
                               "checkpoint-N folder", reason=f"{output_dir} has no checkpoint-N folder whose "
                               f"{SHARDED_STATE}/ is complete")
-    cut_short = [folder.name for step, folder in found if step > _step_of(complete[-1])]
+    last_step, last = complete[-1]
+    cut_short = [folder.name for step, folder in found if step > last_step]
     if cut_short:
-        _log.warning(f"resuming from {complete[-1].name}: {', '.join(cut_short)} did not finish writing their "
+        _log.warning(f"resuming from {last.name}: {', '.join(cut_short)} did not finish writing their "
                      f"{SHARDED_STATE}/ (a save cut short by a crash or a failure)")
-    return complete[-1]
+    return last
 
 
 @contextlib.contextmanager

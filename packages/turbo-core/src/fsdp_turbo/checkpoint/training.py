@@ -73,15 +73,10 @@ def trainable_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     return for_dcp({"model": model_state, "optimizer": optimizer_state})
 
 
-def write_trainable_state(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """DCP-save the trainable parameters and their optimizer state into ``folder``, now (not
-    atomically: :class:`TrainingCheckpointer` adds that). Every rank calls this."""
-    dcp.save(trainable_state(model, optimizer), checkpoint_id=str(folder))
-
-
 def read_trainable_state(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Load what :func:`write_trainable_state` wrote, at this job's layout (DCP reshards), as data
-    only (``safe_dcp``); without ``optimizer``, the parameters alone. Every rank calls this."""
+    """Load the DCP state a :class:`TrainingCheckpointer` wrote into ``folder``, at this job's
+    layout (DCP reshards), as data only (``safe_dcp``); without ``optimizer``, the parameters
+    alone. Every rank calls this."""
     if optimizer is None:
         model_state = get_model_state_dict(model, options=TRAINABLE_ONLY)
         original = {"model": model_state}
