@@ -112,6 +112,9 @@ MODELS["gemma4 float64"] = ("gemma4", {"dtype": torch.float64, "experts_implemen
 CASES["gemma4 float64 fsdp2 x tp2 sp"] = ("gemma4 float64", _tp("gemma4", sequence_parallel=True))
 CASES["gemma4 float64 cp2 ring"] = ("gemma4 float64", _cp("ring", world=2))
 WORLD["gemma4 float64 cp2 ring"] = 2
+# Llama 4's chunks (of 6, cut inside each rank's part) under KV all-gather, blocks of 2 query rows
+CASES["llama4 cp2 kv_allgather"] = ("llama4", _cp("kv_allgather", world=2, block_size=2))
+WORLD["llama4 cp2 kv_allgather"] = 2
 
 
 # One launch per world size, each about the same time: one per worker of the suite

@@ -190,5 +190,6 @@ def test_attention_lines_print_what_the_plans_say_of_each_kind():
                       "  per-head parameters: model.layers.{0-1}.self_attn.sinks (2, attention sinks)",
                       "    tp_plan (split with the heads): model.layers.{0-1}.self_attn.sinks"]
     ring = lines(context_parallel_size=2, fully_shard_parallel_size=2, cp_plan={"mode": "ring"})
-    assert "    cp_plan (sliding window): layers [0]: masked by their window, unseen tiles skipped" in ring
+    assert ("    cp_plan (sliding window): layers [0]: masked by their window, unseen tiles skipped, cut ones computed "
+            "in blocks of 64 query rows") in ring
     assert "    cp_plan (per-head tensors): joined once per row" in ring

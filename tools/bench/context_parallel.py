@@ -16,10 +16,13 @@ Printed:
   kernels by how many are busy at once, not by their own work; and the work itself
   (query-key pairs the kernels compute, a causal tile counting half);
 - the 2026 families (``cp_families.py``): Qwen3-Next's Gated DeltaNet layer under Ulysses,
-  peak activation per rank at CP=4 vs no CP (goal <= 0.30); gpt-oss's sliding-window layer
-  on the ring, kernel calls and bytes sent vs the same layer as full causal attention.
+  peak activation per rank at CP=4 vs no CP (goal <= 0.30);
+- the masks (``cp_masks.py``, sequence 4096 unless ``--seq`` says otherwise): a window, packed
+  documents, chunks and full causal under every CP mode: the slowest rank's step time vs full
+  causal, the pairs the block kernels compute vs the pairs the mask keeps, and KV all-gather's
+  bytes vs theory.
 
-    python tools/bench/context_parallel.py [--seq 16384] [--only families]
+    python tools/bench/context_parallel.py [--seq 16384] [--only llama|families|masks]
 """
 
 from __future__ import annotations
@@ -151,15 +154,19 @@ def theory_bytes(mode: str, seq: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=16384)
-    parser.add_argument("--only", choices=["llama", "families"], help="one part (default: both)")
+    parser.add_argument("--seq", type=int, help="the sequence (default: 16384; the masks: 4096)")
+    parser.add_argument("--only", choices=["llama", "families", "masks"], help="one part (default: all)")
     args = parser.parse_args()
-    if args.only != "families":
-        llama_rows(args.seq)
-    if args.only != "llama":
-        import cp_families  # it imports SentBytes from here
+    if args.only in (None, "llama"):
+        llama_rows(args.seq or 16384)
+    if args.only in (None, "families"):
+        import cp_families
 
-        cp_families.run(args.seq, report)
+        cp_families.run(args.seq or 16384, report)
+    if args.only in (None, "masks"):
+        import cp_masks
+
+        cp_masks.run(args.seq or 4096, report)
 
 
 def llama_rows(seq: int) -> None:

@@ -6,17 +6,14 @@ layer each, float32, CP=4 on 4 gloo ranks, against the same layer in the same ru
   (MemTracker, parameters and gradients excluded) during forward + backward, divided by the
   same layer without CP in one process. Both run the same delta-rule kernel (the portable
   ``chunk_gated_delta_rule`` of ``fsdp_turbo.ops.fla``, put where transformers calls its own).
-- gpt-oss's sliding-window layer (window 128, attention sinks) under the ring, zig-zag and
-  contiguous: block-kernel calls (forward and backward) and bytes a rank sends (P2P sends,
-  forward and backward) divided by the same layer as full causal attention (the layer type
-  changed, nothing else) on the same ring: what skipping the tiles a window cannot reach saves;
-  and the query-key pairs those kernels compute (a tile runs whole, its mask applied inside).
+
+gpt-oss's sliding window (and packed documents, Llama 4's chunks) under every CP mode are
+``cp_masks.py``'s.
 """
 
 from __future__ import annotations
 
 import torch
-from context_parallel import SentBytes, timed_kernels  # the Llama rows' counters
 from ulysses import peak_activation_bytes
 
 CP = 4
@@ -25,11 +22,6 @@ QWEN3_NEXT = {"vocab_size": VOCAB, "hidden_size": 256, "num_hidden_layers": 1, "
               "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 64,
               "linear_value_head_dim": 64, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
               "max_position_embeddings": 65536}
-WINDOW = 128
-GPT_OSS = {"vocab_size": VOCAB, "hidden_size": 256, "num_hidden_layers": 1, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 256, "sliding_window": WINDOW,
-           "max_position_embeddings": 65536}
-RING = {"zig-zag": {"mode": "ring"}, "contiguous": {"mode": "ring", "load_balance": False}}
 
 
 def _tokens(seq: int) -> torch.Tensor:
@@ -65,25 +57,6 @@ def qwen3_next_cp_job(seq: int) -> int:
     return peak_activation_bytes(model, input_ids=ids, labels=ids, use_cache=False)
 
 
-def gpt_oss_ring_job(seq: int, chunks: str, layer_type: str) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
-    from fsdp_turbo.distributed.context_parallel import apply_context_parallel
-    from fsdp_turbo.fsdp_turbo_config import CPPlanConfig
-
-    work, calls = timed_kernels()  # query-key pairs (a causal tile: half; a window's mask saves nothing inside one)
-    model = tiny_hf_causal_lm("gpt_oss", **GPT_OSS, layer_types=[layer_type])
-    apply_context_parallel(model, CPPlanConfig.from_dict(RING[chunks]),
-                           init_device_mesh("cpu", (CP,), mesh_dim_names=("cp",)))
-    ids = _tokens(seq)
-    counter = SentBytes({"a2a": 1})
-    calls[:] = [True]  # from here each kernel call is kept: counted
-    with counter:
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    return {"calls": len(calls) - 1, "pairs": work[0], "sent": counter.sent}
-
-
 def run(seq: int, report) -> None:
     """Run the jobs, print their lines, and ``report`` each ratio."""
     from fsdp_turbo.core.testing import run_distributed, run_reference
@@ -94,23 +67,3 @@ def run(seq: int, report) -> None:
           f"no-CP peak {baseline / 2**20:.0f} MiB, Ulysses CP={CP} {peak / 2**20:.0f} MiB per rank")
     report(f"Qwen3-Next (Gated DeltaNet) Ulysses peak activation memory per rank, CP={CP} vs no CP",
            peak / baseline, "<= 0.30", f"{peak / 2**20:.0f} vs {baseline / 2**20:.0f} MiB, sequence {seq}")
-    for chunks in RING:
-        runs = {kind: run_distributed(gpt_oss_ring_job, CP, seq, chunks, kind, timeout=1800)
-                for kind in ("sliding_attention", "full_attention")}
-        calls = {kind: max(r["calls"] for r in ranks) for kind, ranks in runs.items()}
-        sent = {kind: max(r["sent"] for r in ranks) for kind, ranks in runs.items()}
-        pairs = {kind: max(r["pairs"] for r in ranks) for kind, ranks in runs.items()}
-        print(f"gpt-oss layer, window {WINDOW}, sequence {seq}, ring CP={CP} {chunks}: busiest rank's kernel calls "
-              f"{calls['sliding_attention']} (full causal {calls['full_attention']}), bytes sent "
-              f"{sent['sliding_attention'] / 2**20:.2f} MiB (full causal {sent['full_attention'] / 2**20:.2f} MiB)")
-        report(f"gpt-oss sliding window {WINDOW} ring ({chunks}) block-kernel calls vs full causal, CP={CP}",
-               calls["sliding_attention"] / calls["full_attention"], "reported",
-               f"{calls['sliding_attention']} vs {calls['full_attention']} on the busiest rank, sequence {seq}")
-        report(f"gpt-oss sliding window {WINDOW} ring ({chunks}) query-key pairs computed vs full causal, CP={CP}",
-               pairs["sliding_attention"] / pairs["full_attention"], "reported",
-               f"{pairs['sliding_attention']:.3g} vs {pairs['full_attention']:.3g} on the busiest rank (a tile is "
-               "computed whole: the window's mask saves nothing inside it)")
-        report(f"gpt-oss sliding window {WINDOW} ring ({chunks}) bytes sent vs full causal, CP={CP}",
-               sent["sliding_attention"] / sent["full_attention"], "reported",
-               f"{sent['sliding_attention'] / 2**20:.2f} vs {sent['full_attention'] / 2**20:.2f} MiB, forward and "
-               "backward")

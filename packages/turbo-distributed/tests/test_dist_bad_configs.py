@@ -39,6 +39,12 @@ CASES = {
                                              "cp_plan.ulysses_size"),
     "cp_hybrid_without_ulysses_size": ({"context_parallel_size": 4, "cp_plan": {"mode": "hybrid"}},
                                        "cp_plan.ulysses_size"),
+    "cp_kv_allgather_ulysses_size_the_whole_group": ({"context_parallel_size": 4, "cp_plan": {
+        "mode": "kv_allgather", "ulysses_size": 4}}, "cp_plan.ulysses_size"),
+    "cp_ring_with_ulysses_size": ({"context_parallel_size": 4, "cp_plan": {"mode": "ring", "ulysses_size": 2}},
+                                  "cp_plan.ulysses_size"),
+    "cp_block_size_zero": ({"context_parallel_size": 2, "cp_plan": {"mode": "ring", "block_size": 0}},
+                           "cp_plan.block_size"),
     "cp_attention_modules_match_nothing": ({"context_parallel_size": 2, "model_facts": {
         "attention_modules": ["layers.*.inner_attention"]}}, "model_facts.attention_modules"),
     "cp_token_input_not_a_name": ({"context_parallel_size": 2, "model_facts": {"token_input": "tokens[0]"}},

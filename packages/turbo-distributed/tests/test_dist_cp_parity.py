@@ -182,3 +182,30 @@ def test_hybrid_ulysses2_x_ring2(load_balance):
     for record, implementation in run_distributed(cp_run, 4, "llama", BATCHES, config, timeout=300):
         assert_parity(reference("llama"), record, **TOL)
         assert implementation.startswith("fsdp_turbo_hybrid")
+
+
+@pytest.mark.parametrize("layout", ["cp2 x fsdp2", "ulysses2 x kv_allgather2"])
+def test_kv_allgather(layout):
+    """Each rank keeps its queries and all-gathers K and V (zig-zag chunks): beside FSDP, and
+    inside Ulysses (the upstream's kv_allgather_parallel_size x ulysses)."""
+    if layout == "cp2 x fsdp2":
+        config = {"context_parallel_size": 2, "fully_shard_parallel_size": 2, "cp_plan": {"mode": "kv_allgather"}}
+    else:
+        config = {"context_parallel_size": 4, "cp_plan": {"mode": "kv_allgather", "ulysses_size": 2}}
+    for record, implementation in run_distributed(cp_run, 4, "llama", BATCHES, config, timeout=300):
+        assert_parity(reference("llama"), record, **TOL)
+        assert implementation.startswith("fsdp_turbo_kv_allgather")
+
+
+def test_kv_allgather_gathers_keys_and_values_once_each_way():
+    """One step at CP=4 KV all-gather: per layer, the forward all-gathers K and V; the backward
+    gathers them again and reduce-scatters dK and dV to their owners. Nothing else for CP."""
+    counts = run_distributed(count_collectives_run, 4, "llama", BATCHES,
+                             {"context_parallel_size": 4, "cp_plan": {"mode": "kv_allgather"}}, timeout=300)[0]
+    layers = 2
+    assert counts.pop("c10d::allgather_") == 4 * layers, counts
+    assert counts.pop("c10d::reduce_scatter_") == 2 * layers, counts
+    assert "c10d::send" not in counts and "_c10d_functional::all_to_all_single" not in counts
+    assert counts.pop("c10d::allreduce_") == 1
+    assert set(counts) <= {"c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesced",
+                           "c10d::_reduce_scatter_base_", "c10d::reduce_scatter_tensor_coalesced"}, counts

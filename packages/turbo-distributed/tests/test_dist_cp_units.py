@@ -128,8 +128,8 @@ def test_zigzag_tiles_one_kernel_call_per_off_diagonal_block():
     """Zig-zag at CP=4: the own block is a causal tile per chunk plus the full one between
     them (rank 3's chunks 3 and 4 are adjacent: one causal tile); every other block is one
     full tile (its two full halves joined); together exactly the pairs causal attention needs."""
+    from fsdp_turbo.distributed.context_parallel.blocks import ring_tiles
     from fsdp_turbo.distributed.context_parallel.context import ForwardContext
-    from fsdp_turbo.distributed.context_parallel.ring import ring_tiles
     from fsdp_turbo.distributed.context_parallel.ring_math import chunk_positions
 
     positions = [chunk_positions(32, 4, r, True) for r in range(4)]
@@ -150,8 +150,8 @@ def test_a_sliding_window_skips_the_tiles_out_of_reach():
     chunk (causal, the window cutting its lower corner: one masked tile) and the previous
     rank's last 3 keys (one masked tile); the two blocks further back are skipped. Together
     the tiles cover exactly the pairs the window allows."""
+    from fsdp_turbo.distributed.context_parallel.blocks import ring_tiles
     from fsdp_turbo.distributed.context_parallel.context import ForwardContext
-    from fsdp_turbo.distributed.context_parallel.ring import ring_tiles
     from fsdp_turbo.distributed.context_parallel.ring_math import chunk_positions
 
     positions = [chunk_positions(32, 4, r, False) for r in range(4)]
@@ -166,3 +166,81 @@ def test_a_sliding_window_skips_the_tiles_out_of_reach():
                 pairs |= {(int(a), int(b)) for i, a in enumerate(q) for j, b in enumerate(k)
                           if allowed[i, j] and (not tile.causal or b <= a)}
         assert pairs == {(a, b) for a in positions[rank].tolist() for b in range(32) if 0 <= a - b < 4}
+
+
+def _coverage(blocks, positions, rank, seq):
+    """How many times each (query of this rank, key position) pair is computed, and the pairs
+    the kernels compute (a causal square: half)."""
+    from fsdp_turbo.distributed.context_parallel.blocks import computed_pairs
+
+    rows = torch.arange(positions[rank].numel())
+    covered = torch.zeros(rows.numel(), seq, dtype=torch.int)
+    for source, tiles in enumerate(blocks):
+        for tile in tiles:
+            q, k = rows[tile.q], positions[source][tile.k]
+            part = torch.ones(len(q), len(k), dtype=torch.bool) if tile.mask is None else tile.mask[0, 0]
+            covered[q[:, None], k[None, :]] += (part.tril() if tile.causal else part).int()
+    return covered, computed_pairs(blocks)
+
+
+@pytest.mark.parametrize("name", ["window", "documents", "chunk", "causal", "causal zig-zag", "window zig-zag"])
+def test_the_block_map_computes_what_the_mask_keeps(name):
+    """Sequence 4096 over 4 ranks (the issue's case), the default blocks of 64 query rows: every
+    kept pair is computed exactly once, none outside the mask, and the pairs computed are at most
+    1.25 times the pairs kept plus one block (64 x 64) per 64 query rows. A 128-token window or 16
+    packed documents of 256 then cost each rank about 1/16 of its causal work."""
+    from fsdp_turbo.distributed.context_parallel.blocks import DEFAULT_BLOCK, ring_tiles
+    from fsdp_turbo.distributed.context_parallel.context import ForwardContext
+    from fsdp_turbo.distributed.context_parallel.ring_math import chunk_positions, visible
+
+    seq, cp, block = 4096, 4, DEFAULT_BLOCK
+    positions = [chunk_positions(seq, cp, r, "zig-zag" in name) for r in range(cp)]
+    documents = torch.arange(seq)[None] // 256 if name == "documents" else None
+    window = 128 if name.startswith("window") else None
+    chunk = 1000 if name == "chunk" else None
+    index = torch.arange(seq)
+    allowed = visible(index, index, documents, documents, window=window)[0, 0]
+    if chunk:
+        allowed &= (index // chunk)[:, None] == (index // chunk)[None, :]
+    for rank in range(cp):
+        context = ForwardContext(seq, documents=documents, ring_positions=positions)
+        blocks = ring_tiles(context, rank, torch.device("cpu"), window, chunk, block=block)
+        covered, pairs = _coverage(blocks, positions, rank, seq)
+        kept = allowed[positions[rank]]
+        assert covered.max() <= 1
+        assert torch.equal(covered.bool(), kept)
+        rows = positions[rank].numel()
+        assert pairs <= 1.25 * int(kept.sum()) + rows * block, (rank, pairs, int(kept.sum()))
+
+
+def test_a_window_ships_only_the_rows_it_reaches():
+    """Contiguous chunks of 1024 and a 128-token window: the next rank sees the last 127 rows
+    of each chunk, so only those travel (the last rank's chunk: nobody else's, one row). Zig-zag
+    under causal: a rank's second chunk (the sequence's later half) is seen by the ranks whose
+    second chunks come later, so rank 0 (chunks 0 and 7) ships only its first chunk."""
+    from fsdp_turbo.distributed.context_parallel.blocks import shipped_rows
+    from fsdp_turbo.distributed.context_parallel.ring_math import chunk_positions
+
+    contiguous = [chunk_positions(4096, 4, r, False) for r in range(4)]
+    assert shipped_rows(contiguous, 128) == [slice(897, 1024)] * 3 + [slice(1023, 1024)]
+    assert shipped_rows(contiguous, None) == [slice(0, 1024)] * 3 + [slice(1023, 1024)]
+    zigzag = [chunk_positions(4096, 4, r, True) for r in range(4)]
+    assert shipped_rows(zigzag, None) == [slice(0, 512), slice(0, 1024), slice(0, 1024), slice(0, 1024)]
+
+
+def test_packed_documents_shorten_the_ring_and_its_sends():
+    """Documents of 256 tokens over contiguous chunks of 1024: no query sees another rank's keys,
+    so the ring takes one step and nothing needs to travel; documents of 1536 (starting at 0, 1536
+    and 3072) reach one rank back: rank 1 sees all of rank 0's chunk, rank 2 rank 1's rows from
+    1536 on, rank 3 (a document of its own) nothing of rank 2's (one row ships)."""
+    from fsdp_turbo.distributed.context_parallel.blocks import ring_steps, shipped_rows
+    from fsdp_turbo.distributed.context_parallel.context import ForwardContext
+    from fsdp_turbo.distributed.context_parallel.ring_math import chunk_positions
+
+    positions = [chunk_positions(4096, 4, r, False) for r in range(4)]
+    short = ForwardContext(4096, documents=torch.arange(4096)[None] // 256).document_starts()
+    assert ring_steps(positions, None, None, short) == 1
+    long = ForwardContext(4096, documents=torch.arange(4096)[None] // 1536).document_starts()
+    assert ring_steps(positions, None, None, long) == 2
+    assert shipped_rows(positions, None, None, long) == [slice(0, 1024), slice(512, 1024), slice(1023, 1024),
+                                                         slice(1023, 1024)]

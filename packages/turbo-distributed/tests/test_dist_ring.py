@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 
 from fsdp_turbo.core.testing import run_distributed
-from fsdp_turbo.distributed.context_parallel.ring import ring_attention, ring_steps
+from fsdp_turbo.distributed.context_parallel.blocks import ring_steps
+from fsdp_turbo.distributed.context_parallel.ring import ring_attention
 from fsdp_turbo.distributed.context_parallel.ring_math import chunk_positions, visible
 
 pytestmark = pytest.mark.multirank
@@ -101,26 +102,26 @@ def _rank_events():
     """Forward and backward of one ring call, logging each transfer's start and wait and
     each block computed, in order."""
 
-    from fsdp_turbo.distributed.context_parallel import ring
+    from fsdp_turbo.distributed.context_parallel import ring, ring_kernels
 
-    log, exchange, call_op = [], ring._exchange, ring.call_op
+    log, exchange, call_op = [], ring._exchange, ring_kernels.call_op
     labels = iter(range(10**6))
 
-    def logged_exchange(tensors, group, hops=1):
+    def logged_exchange(tensors, group, hops=1, rows=None):
         label = next(labels)
         log.append(("start", label))
-        received, requests = exchange(tensors, group, hops)
+        received, requests = exchange(tensors, group, hops, rows)
         return received, [_Logged(r, log, label) for r in requests]
 
     def logged_op(name, *args):
         log.append(("block", name))
         return call_op(name, *args)
 
-    ring._exchange, ring.call_op = logged_exchange, logged_op
+    ring._exchange, ring_kernels.call_op = logged_exchange, logged_op
     try:
         _rank(load_balance=True, packed=False)
     finally:
-        ring._exchange, ring.call_op = exchange, call_op
+        ring._exchange, ring_kernels.call_op = exchange, call_op
     return log
 
 
@@ -136,3 +137,94 @@ def test_every_transfer_but_the_last_hides_behind_a_block():
             if kind == "wait" and not any(k == "block" for k, _ in log[starts[label]:i]):
                 exposed.append(label)
         assert set(exposed) == {max(starts)}, exposed
+
+
+# The block map on 4 ranks against one full attention: a window shorter than a chunk (the ring
+# ships only the rows it reaches), packed documents over zig-zag chunks, a chunked layer, right
+# padding; blocks of 4 query rows, so every cut tile is split.
+LONG, BLOCK = 64, 4
+MASKS = {
+    "window": {"load_balance": False, "window": 6, "sinks": True},
+    "documents": {"load_balance": True, "documents": torch.tensor([[0] * 10 + [1] * 30 + [2] * 24,
+                                                                   [0] * 33 + [1] * 31])},
+    "chunk": {"load_balance": False, "chunk": 12},
+    # contiguous chunks of 16: the ring stops after 2 steps and ships only what the documents reach
+    "documents contiguous": {"load_balance": False, "documents": torch.tensor([[0] * 20 + [1] * 14 + [2] * 30,
+                                                                              [0] * 12 + [1] * 20 + [2] * 32])},
+    "padding": {"load_balance": True, "padding": torch.tensor([[True] * 50 + [False] * 14, [True] * 64])},
+}
+
+
+def _long_inputs():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(2, 4, LONG, 8, generator=generator) if i != 1 and i != 2 else
+            torch.randn(2, 2, LONG, 8, generator=generator) for i in range(4)]  # q, k, v (2 K/V heads), grad
+
+
+def _full_mask(case: dict) -> torch.Tensor:
+    index = torch.arange(LONG)
+    documents = case.get("documents")
+    mask = visible(index, index, documents, documents, window=case.get("window"))
+    if "chunk" in case:
+        blocks = index // case["chunk"]
+        mask = mask & (blocks[:, None] == blocks[None, :])
+    if "padding" in case:
+        mask = mask & case["padding"][:, None, None, :]
+    return mask
+
+
+def _block_rank(mode: str, name: str):
+    import torch.distributed as dist
+
+    from fsdp_turbo.distributed.context_parallel.blocks import ring_tiles, shipped_rows
+    from fsdp_turbo.distributed.context_parallel.context import ForwardContext
+    from fsdp_turbo.distributed.context_parallel.kv_allgather import kv_allgather_attention
+
+    case = MASKS[name]
+    rank = dist.get_rank()
+    q, k, v, grad_out = _long_inputs()
+    positions = [chunk_positions(LONG, CP, source, case["load_balance"]) for source in range(CP)]
+    mine = positions[rank]
+    context = ForwardContext(LONG, padding_mask=case.get("padding"), documents=case.get("documents"),
+                             ring_positions=positions)
+    window, chunk = case.get("window"), case.get("chunk")
+    tiles = ring_tiles(context, rank, torch.device("cpu"), window, chunk, block=BLOCK)
+    leaves = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+    sink = SINKS.repeat(2).clone().requires_grad_() if case.get("sinks") else None
+    plain = "documents" not in case and "padding" not in case
+    if mode == "ring":
+        reach = chunk if plain else None
+        starts = context.document_starts() if "documents" in case else None
+        out = ring_attention(*leaves, 8 ** -0.5, tiles, dist.group.WORLD, sinks=sink,
+                             steps=ring_steps(positions, window, reach, starts),
+                             shipped=shipped_rows(positions, window, reach, starts))
+    else:
+        out = kv_allgather_attention(*leaves, 8 ** -0.5, tiles, dist.group.WORLD, sinks=sink)
+    out.backward(grad_out[:, :, mine])
+    return mine, out.detach(), [t.grad for t in leaves], None if sink is None else sink.grad
+
+
+@pytest.mark.parametrize("mode", ["ring", "kv_allgather"])
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_block_sparse_attention_equals_full_attention(mode, name):
+    """Output, dQ/dK/dV (GQA: 4 query heads on 2 K/V heads) and the sinks' gradient equal one
+    full attention under each mask, for the ring (with its shortened, trimmed sends) and the KV
+    all-gather."""
+    case = MASKS[name]
+    q, k, v, grad_out = _long_inputs()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    keys, values = (t.repeat_interleave(2, dim=1) for t in leaves[1:])
+    mask = _full_mask(case)
+    if case.get("sinks"):
+        sinks = SINKS.repeat(2).clone().requires_grad_()
+        expected = _full_attention_with_sinks(leaves[0], keys, values, mask, sinks)
+    else:
+        expected = F.scaled_dot_product_attention(leaves[0], keys, values, attn_mask=mask)
+    expected.backward(grad_out)
+    results = run_distributed(_block_rank, CP, mode, name, timeout=120)
+    for mine, out, grads, _ in results:
+        torch.testing.assert_close(out, expected.detach()[:, :, mine], rtol=1e-5, atol=1e-6)
+        for got, leaf in zip(grads, leaves, strict=True):
+            torch.testing.assert_close(got, leaf.grad[:, :, mine], rtol=1e-5, atol=1e-5)
+    if case.get("sinks"):
+        torch.testing.assert_close(sum(r[3] for r in results), sinks.grad, rtol=1e-5, atol=1e-6)

@@ -336,42 +336,67 @@ def _divide_factor(value: Any) -> float | None:
 class CPPlanConfig(ConfigSection):
     """Context parallel. ``mode``: ``ulysses`` (all-to-all to head shards: bounded by the
     head count), ``ring`` (K/V chunks travel around all ``context_parallel_size`` ranks;
-    any head count) or ``hybrid`` (Ulysses over ``ulysses_size`` ranks inside a ring).
-    ``load_balance``: ring chunks in zig-zag order, so every rank does the same causal work.
+    any head count), ``hybrid`` (Ulysses over ``ulysses_size`` ranks inside a ring) or
+    ``kv_allgather`` (each rank keeps its queries and all-gathers the keys and values;
+    with ``ulysses_size``, inside Ulysses). ``load_balance``: ring and KV all-gather chunks
+    in zig-zag order, so every rank does the same causal work.
+
+    Ring and KV all-gather compute only what the mask keeps: a pair of chunks nothing sees is
+    skipped, and one the mask cuts is computed in query blocks of ``block_size`` rows, each
+    on the keys its rows see.
 
     The core attention it wraps and the forward arguments it splits are model facts
     (``model_facts.attention_function`` / ``attention_modules`` / ``token_input`` /
     ``position_input``). Ulysses runs that attention on the whole sequence for a head
-    shard; ring and hybrid replace it by causal softmax attention (``scale`` and
+    shard; ring, hybrid and KV all-gather replace it by causal softmax attention (``scale`` and
     ``enable_gqa`` honoured; a mask, dropout or ``is_causal=False`` is refused at the call)."""
 
     _prefix: ClassVar[str] = "cp_plan"
 
     mode: str = "ulysses"
     """``"ulysses"`` (all-to-all to head shards; the heads must split over ``context_parallel_size``),
-    ``"ring"`` (key/value chunks travel around the ranks; any head count) or ``"hybrid"``
-    (Ulysses over ``ulysses_size`` ranks inside a ring of the rest)."""
+    ``"ring"`` (key/value chunks travel around the ranks; any head count), ``"hybrid"``
+    (Ulysses over ``ulysses_size`` ranks inside a ring of the rest) or ``"kv_allgather"``
+    (each rank all-gathers the keys and values of its group; any head count; with
+    ``ulysses_size``, Ulysses over that many ranks inside a KV all-gather of the rest)."""
 
     ulysses_size: int | None = None
-    """The Ulysses ranks inside each ring member; with mode ``"hybrid"`` only, a divisor of
-    ``context_parallel_size`` of at least 2."""
+    """The Ulysses ranks inside each ring or KV all-gather member: with mode ``"hybrid"``
+    (required) or ``"kv_allgather"`` (optional), a divisor of ``context_parallel_size`` of at
+    least 2."""
 
     load_balance: bool = True
-    """Whether ring and hybrid cut the sequence in zig-zag chunks, so every rank does the same
-    causal work."""
+    """Whether ring, hybrid and KV all-gather cut the sequence in zig-zag chunks, so every rank
+    does the same causal work."""
 
+    block_size: int = 64
+    """Ring and KV all-gather: the query rows of one block where the mask cuts a pair of chunks
+    (a window, chunks, packed documents). Each block computes only the keys its rows see, so
+    the work exceeds what the mask keeps by at most about half a ``block_size`` square per block
+    (a window of ``w``: ``block_size / 2w`` of it); smaller blocks waste less, in more kernel
+    calls."""
 
     def __post_init__(self) -> None:
-        _set(self, "mode", check_choice(self.mode, "cp_plan.mode", ("ulysses", "ring", "hybrid")))
+        _set(self, "mode", check_choice(self.mode, "cp_plan.mode", ("ulysses", "ring", "hybrid", "kv_allgather")))
         check_bool(self.load_balance, "cp_plan.load_balance")
+        check_int(self.block_size, "cp_plan.block_size", minimum=1)
         if self.ulysses_size is not None:
             check_int(self.ulysses_size, "cp_plan.ulysses_size", minimum=1)
-        if (self.mode == "hybrid") != (self.ulysses_size is not None):
+        if self.mode == "hybrid" and self.ulysses_size is None:
+            raise ConfigError("cp_plan.ulysses_size", None, "give ulysses_size with mode 'hybrid'",
+                              reason="hybrid runs Ulysses over ulysses_size ranks inside a ring")
+        if self.mode in ("ulysses", "ring") and self.ulysses_size is not None:
             raise ConfigError("cp_plan.ulysses_size", self.ulysses_size,
-                              "give ulysses_size with mode 'hybrid' (and only then)",
+                              "give ulysses_size only with mode 'hybrid' or 'kv_allgather'",
                               reason=f"mode is {self.mode!r}")
         if self.ulysses_size is not None and self.ulysses_size < 2:
-            raise ConfigError("cp_plan.ulysses_size", self.ulysses_size, "use at least 2 (1 is mode 'ring')")
+            raise ConfigError("cp_plan.ulysses_size", self.ulysses_size,
+                              f"use at least 2 (1 is mode '{'ring' if self.mode == 'hybrid' else self.mode}' alone)")
+
+    @property
+    def nested(self) -> bool:
+        """Ulysses inside a ring or a KV all-gather: the CP group splits into two."""
+        return self.mode != "ulysses" and self.ulysses_size is not None
 
 
 @moved_fields({"head_module": "model_facts.head_module", "ignore_index": "model_facts.ignore_index"})

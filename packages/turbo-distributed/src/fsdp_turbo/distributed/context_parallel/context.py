@@ -35,12 +35,13 @@ class ForwardContext:
     linear_calls: int = 0  # how many linear-attention layers ran through theirs
     # ring / hybrid: the global positions (in the padded sequence) of each ring member's tokens
     ring_positions: list[torch.Tensor] | None = None
-    # per (window, chunk) (None, None: full causal), per source rank, its Tiles: built by the first
-    # layer of each, reused
+    # per (window, chunk) (None, None: full causal): per source rank its Tiles, the ring's steps and
+    # the rows of each chunk it ships; built by the first layer of each, reused
     ring_tiles: dict = field(default_factory=dict)
     positions: torch.Tensor | None = None  # [B, seq_len] the position values (position_ids, padding continuing them)
     my_positions: torch.Tensor | None = None  # [seq_len / cp] this rank's tokens' indices in the padded rows
     _chunks: dict = field(default_factory=dict)
+    _documents: dict = field(default_factory=dict)
 
     def chunk_ids(self, chunk: int) -> torch.Tensor:
         """Each token's block of ``chunk`` positions, ``[B or 1, seq_len]``, as transformers' chunked
@@ -59,6 +60,25 @@ class ForwardContext:
             self._chunks[chunk] = ids
         return self._chunks[chunk]
 
+    def document_breaks(self) -> set[int]:
+        """The positions where a packed document begins in some row (the block map cuts its
+        query blocks there)."""
+        if "breaks" not in self._documents:
+            change = (self.documents[:, 1:] != self.documents[:, :-1]).any(0)
+            self._documents["breaks"] = set(change.nonzero().flatten().add(1).tolist())
+        return self._documents["breaks"]
+
+    def document_starts(self) -> torch.Tensor:
+        """``[seq_len]``: for each position, the first position of its document in any row (the
+        earliest key a query there may see)."""
+        if "starts" not in self._documents:
+            index = torch.arange(self.documents.shape[1])
+            first = torch.ones_like(self.documents, dtype=torch.bool)
+            first[:, 1:] = self.documents[:, 1:] != self.documents[:, :-1]
+            starts = torch.where(first, index, 0).cummax(dim=1).values
+            self._documents["starts"] = starts.min(0).values
+        return self._documents["starts"]
+
 
 @dataclass
 class CPState:
@@ -71,11 +91,13 @@ class CPState:
     attention_layers: int = 0  # the wrapper must run this many times a forward (0: not checked)
     layers: dict = field(default_factory=dict)  # attention module -> its LayerSpec (window, chunk, per-head tensors)
     linear_layers: int = 0  # the linear-attention forward must run this many times a forward
-    mode: str = "ulysses"  # "ring" or "hybrid"
+    mode: str = "ulysses"  # "ring", "hybrid" or "kv_allgather"
+    block_size: int = 64  # ring / KV all-gather: the query rows of one block of the block map
     load_balance: bool = True  # ring / hybrid: zig-zag chunks over the ring
     # The two halves of CP rank ``ring_rank * ulysses_size + ulysses_rank``: the Ulysses
-    # all-to-all runs inside a group of ulysses_size consecutive CP ranks, the ring across them.
-    # Pure Ulysses: ulysses = the whole CP group; pure ring: ring = the whole CP group.
+    # all-to-all runs inside a group of ulysses_size consecutive CP ranks, the ring (or the KV
+    # all-gather) across them. Pure Ulysses: ulysses = the whole CP group; pure ring or KV
+    # all-gather: ring = the whole CP group.
     ulysses_group: dist.ProcessGroup | None = None
     ulysses_size: int = 0
     ring_group: dist.ProcessGroup | None = None
@@ -85,7 +107,7 @@ class CPState:
     def __post_init__(self) -> None:
         if self.mode == "ulysses" and not self.ulysses_size:
             self.ulysses_group, self.ulysses_size = self.group, self.size
-        if self.mode == "ring" and self.ring_group is None:
+        if self.mode in ("ring", "kv_allgather") and self.ring_group is None:
             self.ring_group, self.ring_size, self.ring_rank, self.ulysses_size = self.group, self.size, self.rank, 1
 
     proven: bool = False  # the first forward ran the wrapper in every attention layer

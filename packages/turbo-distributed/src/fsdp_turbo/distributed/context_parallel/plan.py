@@ -55,14 +55,20 @@ class CPPlan(FeaturePlan):
     target: CPTarget
     attention_layers: int = 0  # the wrapper must run in this many layers each forward (0: unchecked)
     mode: str = "ulysses"
-    load_balance: bool = True  # ring / hybrid: zig-zag chunks
-    ulysses_size: int = 0  # hybrid: the Ulysses ranks inside each ring member
+    load_balance: bool = True  # ring / hybrid / KV all-gather: zig-zag chunks
+    ulysses_size: int = 0  # hybrid (or Ulysses x KV all-gather): the Ulysses ranks inside each member
+    block_size: int = 64  # ring / KV all-gather: the query rows of a block where the mask cuts a tile
     inputs: InputNames = field(default_factory=InputNames)  # the forward arguments split, and given positions
     linear_layers: tuple[LinearAttentionLayer, ...] = ()  # run by Ulysses' linear-attention forward
     # the softmax attention modules (by the model facts), each with its window, chunk and per-head tensors
     layers: tuple[LayerSpec, ...] = ()
     indexers: tuple[str, ...] = ()  # sparse attention's indexers: their keys gathered over the sequence
     compressors: tuple[str, ...] = ()  # compressed attention's compressors: run on the gathered sequence
+
+    @property
+    def nested(self) -> bool:
+        """Ulysses inside a ring or a KV all-gather: the CP group splits into two."""
+        return self.mode != "ulysses" and self.ulysses_size > 1
 
     @property
     def sliding_layers(self) -> tuple[int, ...]:
@@ -79,10 +85,15 @@ class CPPlan(FeaturePlan):
         elif self.mode == "hybrid":
             how = (f"Ulysses {self.ulysses_size} x ring {self.size // self.ulysses_size} ({chunks}) on "
                    f"{self.target.describe()} calls")
+        elif self.mode == "kv_allgather":
+            inner = f"Ulysses {self.ulysses_size} x " if self.nested else ""
+            members = self.size // self.ulysses_size if self.nested else self.size
+            how = f"{inner}K/V all-gathered over {members} ranks ({chunks}) on {self.target.describe()} calls"
         else:
             how = self.target.describe()
         rows = [PlanRow("cp_plan (attention)", (how,))]
-        skipped = ", unseen tiles skipped" if self.mode != "ulysses" else ""
+        skipped = (f", unseen tiles skipped, cut ones computed in blocks of {self.block_size} query rows"
+                   if self.mode != "ulysses" else "")
         if self.sliding_layers:
             rows.append(PlanRow("cp_plan (sliding window)", (f"layers {list(self.sliding_layers)}: masked by their "
                                                              "window" + skipped,), kind="sliding"))
@@ -93,10 +104,12 @@ class CPPlan(FeaturePlan):
         if full:
             rows.append(PlanRow("cp_plan (causal)", (f"layers {full}: " + ("all-to-all to head shards"
                                                                            if self.mode == "ulysses" else
-                                                                           "K/V around the ring"),), kind="softmax"))
+                                                                           "K/V all-gathered" if self.mode ==
+                                                                           "kv_allgather" else "K/V around the ring"),),
+                                kind="softmax"))
         if any(spec.head_parameters for spec in self.layers):
             how = ("cut to each rank's heads" if self.mode == "ulysses" else
-                   "joined once per row" if self.mode == "ring" else "cut to the Ulysses heads, joined once per row")
+                   "cut to the Ulysses heads, joined once per row" if self.nested else "joined once per row")
             rows.append(PlanRow("cp_plan (per-head tensors)", (how,), kind="per-head parameters"))
         if self.indexers:
             rows.append(PlanRow("cp_plan (sparse)", (f"indexers of {len(self.indexers)} layers score each rank's "
@@ -172,7 +185,8 @@ def check_head_split(facts: ModelFacts, cp: int, tp: int, plan: CPPlanConfig) ->
     parallel (a ring keeps them all); their product must divide the query heads."""
     ulysses, field = {"ulysses": (cp, "tensor_parallel_size*context_parallel_size"),
                       "ring": (1, "tensor_parallel_size"),
-                      "hybrid": (plan.ulysses_size or 1, "tensor_parallel_size*cp_plan.ulysses_size")}[plan.mode]
+                      "hybrid": (plan.ulysses_size or 1, "tensor_parallel_size*cp_plan.ulysses_size"),
+                      "kv_allgather": (plan.ulysses_size or 1, "tensor_parallel_size*cp_plan.ulysses_size")}[plan.mode]
     heads, split = facts.num_attention_heads, tp * ulysses
     if heads is not None and split > 1 and heads % split:
         ring = ", or cp_plan.mode='ring'" if plan.mode != "ring" else ""

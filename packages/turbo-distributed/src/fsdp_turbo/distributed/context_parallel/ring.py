@@ -25,8 +25,6 @@ and the call site.
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,58 +32,43 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.core.ops import call_op
+from fsdp_turbo.distributed.context_parallel.blocks import ring_steps, ring_tiles, shipped_rows, tiles_of
+from fsdp_turbo.distributed.context_parallel.kv_allgather import kv_allgather_attention
 from fsdp_turbo.distributed.context_parallel.layer_masks import rescale_queries
-from fsdp_turbo.distributed.context_parallel.ring_kernels import BACKWARD, FORWARD
-from fsdp_turbo.distributed.context_parallel.ring_math import merge, sink_grad, visible
+from fsdp_turbo.distributed.context_parallel.ring_kernels import attend_tiles, start_partials, tile_grads
+from fsdp_turbo.distributed.context_parallel.ring_math import sink_grad
 
 
-def _exchange(tensors: list[torch.Tensor], group: dist.ProcessGroup, hops: int = 1
+def _exchange(tensors: list[torch.Tensor], group: dist.ProcessGroup, hops: int = 1, rows: int | None = None
               ) -> tuple[list[torch.Tensor], list]:
     """Start sending ``tensors`` ``hops`` ranks on and receiving those of the rank ``hops``
     back (1: the next and the previous rank); returns the receive buffers and the requests
-    to wait on."""
+    to wait on. ``rows``: the received tensors' length on dim 2, where it differs from the
+    sent ones' (a chunk trimmed to its shipped rows)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     to_rank = dist.get_global_rank(group, (rank + hops) % size)
     from_rank = dist.get_global_rank(group, (rank - hops) % size)
     tensors = [t.contiguous() for t in tensors]  # P2P buffers must be contiguous, both ends
-    received = [torch.empty_like(t) for t in tensors]
+    received = [t.new_empty((*t.shape[:2], t.shape[2] if rows is None else rows, *t.shape[3:])) for t in tensors]
     ops = [dist.P2POp(dist.isend, t, to_rank, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, buffer, from_rank, group) for buffer in received]
     return received, dist.batch_isend_irecv(ops)
 
 
-def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
-    """GQA: each K/V head serves ``groups`` query heads. Chunks travel unexpanded."""
-    return kv.repeat_interleave(groups, dim=1) if groups > 1 else kv
+def _wait(pending: tuple[list[torch.Tensor], list]) -> list[torch.Tensor]:
+    received, requests = pending
+    for request in requests:
+        request.wait()
+    return received
 
 
-def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of ``_expand``: the query heads' shares summed per K/V head."""
-    return grad.unflatten(1, (-1, groups)).sum(2) if groups > 1 else grad
+def _span(shipped: list[slice] | None, source: int, rows: int) -> slice:
+    return slice(0, rows) if shipped is None else shipped[source]
 
 
-@dataclass(frozen=True)
-class Tile:
-    """A part of one block: this rank's queries ``q`` against the source's keys ``k`` (slices
-    of the chunks), with its mask (None: every pair visible)."""
-
-    q: slice
-    k: slice
-    mask: torch.Tensor | None
-    causal: bool = False  # a diagonal tile: plain causal, no mask needed
-
-
-ALL = slice(None)
-
-
-def _tiles(entry: list[Tile] | torch.Tensor | None) -> list[Tile]:
-    """A source's tiles; a bare mask (or None) is one tile over the whole block."""
-    if isinstance(entry, list):
-        return entry
-    if entry is not None and not bool(entry.any()):
-        return []
-    return [Tile(ALL, ALL, entry)]
+def _length(shipped: list[slice] | None, source: int, rows: int) -> int:
+    span = _span(shipped, source, rows)
+    return span.stop - span.start
 
 
 class RingAttention(torch.autograd.Function):
@@ -95,217 +78,110 @@ class RingAttention(torch.autograd.Function):
     queries see rank ``source``'s keys: a list of ``Tile``s (what is not in a tile is
     masked), or one mask (None: all visible). ``sinks``: one logit per head joined to every
     row (gpt-oss), or None. ``steps``: the chunks travel this many hops less one (a sliding
-    window needs fewer than the ring's size; every rank passes the same number)."""
+    window needs fewer than the ring's size; every rank passes the same number).
+    ``shipped[source]``: the rows of that rank's chunk that travel (what other ranks' tiles
+    read; ``blocks.shipped_rows``), or None: all of them."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                scale: float, blocks: list, group: dist.ProcessGroup, steps: int | None = None) -> torch.Tensor:
+                scale: float, blocks: list, group: dist.ProcessGroup, steps: int | None = None,
+                shipped: list[slice] | None = None) -> torch.Tensor:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        steps = steps or size
-        groups = q.shape[1] // k.shape[1]
-        out = torch.zeros_like(q)
-        if sinks is None:
-            lse = torch.full(q.shape[:3], float("-inf"), dtype=q.dtype, device=q.device)
-        else:  # the sink is the first partial of every row: output 0, lse its logit
-            lse = sinks.to(q.dtype)[None, :, None].expand(q.shape[:3]).clone()
+        steps, chunk = steps or size, k.shape[2]
+        out, lse = start_partials(q, sinks)
+        own = _span(shipped, rank, chunk)
         current = [k, v]
         for step in range(steps):
-            pending = _exchange(current, group) if step + 1 < steps else None
-            keys, values = _expand(current[0], groups), _expand(current[1], groups)
-            for tile in _tiles(blocks[(rank - step) % size]):
-                block_out, block_lse = call_op(FORWARD, q.device.type, q[:, :, tile.q], keys[:, :, tile.k],
-                                               values[:, :, tile.k], scale, tile.mask, tile.causal)
-                out[:, :, tile.q], lse[:, :, tile.q] = merge(out[:, :, tile.q], lse[:, :, tile.q], block_out,
-                                                             block_lse)
-            if pending is not None:
-                received, requests = pending
-                for request in requests:
-                    request.wait()
-                current = received
+            source = (rank - step) % size
+            if step + 1 < steps:  # the next chunk travels while this one is computed
+                sending = current if step else [t[:, :, own] for t in current]
+                pending = _exchange(sending, group, rows=_length(shipped, (source - 1) % size, chunk))
+            offset = _span(shipped, source, chunk).start if step else 0
+            attend_tiles(q, current[0], current[1], scale, tiles_of(blocks[source]), out, lse, offset)
+            if step + 1 < steps:
+                current = _wait(pending)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.scale, ctx.blocks, ctx.group, ctx.steps = scale, blocks, group, steps
+        ctx.scale, ctx.blocks, ctx.group, ctx.steps, ctx.shipped = scale, blocks, group, steps, shipped
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        group, blocks, scale, steps = ctx.group, ctx.blocks, ctx.scale, ctx.steps
+        group, blocks, scale, steps, shipped = ctx.group, ctx.blocks, ctx.scale, ctx.steps, ctx.shipped
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        groups = q.shape[1] // k.shape[1]
+        chunk = k.shape[2]
+        own = _span(shipped, rank, chunk)
         grad_q = torch.zeros_like(q)
         current = [k, v]
+        home = None  # this rank's own chunk's dK/dV on the rows that never leave it
         incoming = None  # the dK/dV sums of the chunk held next step, on their way from rank - 1
         for step in range(steps):
+            source = (rank - step) % size
             # The next K/V chunk travels while this block's gradients are computed, and the
             # sums sent last step travel while this block is: neither transfer is waited on
             # before the work that hides it is done.
-            pending = _exchange(current, group) if step + 1 < steps else None
-            keys, values = _expand(current[0], groups), _expand(current[1], groups)
-            grad_k, grad_v = torch.zeros_like(current[0]), torch.zeros_like(current[1])
-            for tile in _tiles(blocks[(rank - step) % size]):
-                dq, dk, dv = call_op(BACKWARD, q.device.type, q[:, :, tile.q], keys[:, :, tile.k],
-                                     values[:, :, tile.k], scale, tile.mask, out[:, :, tile.q], lse[:, :, tile.q],
-                                     grad_out[:, :, tile.q], tile.causal)
-                grad_q[:, :, tile.q] += dq
-                grad_k[:, :, tile.k] += _fold(dk, groups)
-                grad_v[:, :, tile.k] += _fold(dv, groups)
+            pending = None
+            if step + 1 < steps:
+                pending = _exchange(current if step else [t[:, :, own] for t in current], group,
+                                    rows=_length(shipped, (source - 1) % size, chunk))
+            offset = _span(shipped, source, chunk).start if step else 0
+            grad_k, grad_v = tile_grads(q, current[0], current[1], scale, tiles_of(blocks[source]), out, lse,
+                                        grad_out, grad_q, offset)
+            if step == 0:  # the own chunk: its shipped rows' sums travel, the rest stays home
+                home = [grad_k.clone(), grad_v.clone()]
+                for part in home:
+                    part[:, :, own] = 0
+                grad_k, grad_v = grad_k[:, :, own], grad_v[:, :, own]
             if incoming is not None:  # add the ranks before this one's shares of this chunk
-                received, requests = incoming
-                for request in requests:
-                    request.wait()
+                received = _wait(incoming)
                 grad_k, grad_v = grad_k + received[0], grad_v + received[1]
             # every hop, the last one included: after it each chunk's sums are home, complete (a
             # shortened ring sends them home from the last rank that held the chunk: steps - 1 back)
             last = step + 1 == steps
-            incoming = _exchange([grad_k, grad_v], group, hops=(1 - steps) % size if last else 1)
+            hops = (1 - steps) % size if last else 1
+            if hops == 0:  # one step: no chunk left home, so its sums are here (gloo has no pair to itself)
+                incoming = ([grad_k, grad_v], [])
+            else:
+                incoming = _exchange([grad_k, grad_v], group, hops=hops,
+                                     rows=_length(shipped, rank if last else (source - 1) % size, chunk))
             if pending is not None:
-                received, requests = pending
-                for request in requests:
-                    request.wait()
-                current = received
-        received, requests = incoming
-        for request in requests:
-            request.wait()
+                current = _wait(pending)
+        received = _wait(incoming)
+        for part, sums in zip(home, received, strict=True):
+            part[:, :, own] += sums
         grad_sinks = None if sinks is None else sink_grad(sinks.to(q.dtype), out, lse, grad_out).to(sinks.dtype)
-        return grad_q, received[0], received[1], grad_sinks, None, None, None, None
+        return grad_q, home[0], home[1], grad_sinks, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                    blocks: list, group: dist.ProcessGroup, sinks: torch.Tensor | None = None,
-                   steps: int | None = None) -> torch.Tensor:
-    return RingAttention.apply(q, k, v, sinks, scale, blocks, group, steps)
+                   steps: int | None = None, shipped: list[slice] | None = None) -> torch.Tensor:
+    return RingAttention.apply(q, k, v, sinks, scale, blocks, group, steps, shipped)
 
 
-def _runs(positions: torch.Tensor) -> list[slice]:
-    """The runs of consecutive positions (zig-zag chunks: two), as slices of the chunk."""
-    breaks = (torch.diff(positions) != 1).nonzero().flatten().add(1).tolist()
-    edges = [0, *breaks, positions.numel()]
-    return [slice(a, b) for a, b in itertools.pairwise(edges)]
-
-
-def _lower(part: torch.Tensor) -> torch.Tensor:
-    square = torch.ones(part.shape[-2], part.shape[-1], dtype=torch.bool, device=part.device).tril()
-    return square.expand_as(part)
-
-
-def _ends(positions: torch.Tensor, run: slice) -> tuple[int, int]:
-    return int(positions[run][0]), int(positions[run][-1])
-
-
-def _unseen(q_ends: tuple[int, int], k_ends: tuple[int, int], window: int | None, chunk: int | None = None) -> bool:
-    """No query of the run sees any key of the other: every key comes later, or (a sliding
-    window) every key lies ``window`` or more positions before every query, or (a chunked
-    layer whose blocks follow the positions: no packing or padding) every key lies in an
-    earlier block than every query."""
-    (q_first, q_last), (k_first, k_last) = q_ends, k_ends
-    return (k_first > q_last or (window is not None and q_first - k_last >= window)
-            or (chunk is not None and k_last // chunk < q_first // chunk))
-
-
-def _tile(q_run: slice, k_run: slice, mine: torch.Tensor, theirs: torch.Tensor, context,
-          device: torch.device, window: int | None = None, chunk: int | None = None) -> Tile | None:
-    """How the queries of run ``q_run`` see the keys of run ``k_run``: None (not at all), or
-    a Tile. Without documents or padding it is decided from the runs' ends alone, so no
-    ``[S, S]`` mask is built for the whole chunk (at 16k tokens a ring member's would be
-    64 MiB); otherwise from this tile's own mask. ``window``: a sliding-window layer's;
-    ``chunk``: a chunked layer's block length."""
-    (q_first, q_last), (k_first, k_last) = q_ends, k_ends = _ends(mine, q_run), _ends(theirs, k_run)
-    plain = context.documents is None and context.padding_mask is None
-    if _unseen(q_ends, k_ends, window, chunk if plain else None):
-        return None
-    inside = window is None or q_last - k_first < window  # no pair of the runs is out of the window
-    one_block = chunk is None or k_first // chunk == q_last // chunk  # every pair in one block
-    if plain and inside and one_block:
-        if k_last <= q_first:
-            return Tile(q_run, k_run, None)
-        if (q_first, q_last) == (k_first, k_last):
-            return Tile(q_run, k_run, None, causal=True)
-    q_pos, k_pos = mine[q_run], theirs[k_run]
-    documents = None if context.documents is None else context.documents.to(device)
-    docs = (documents[:, q_pos], documents[:, k_pos]) if documents is not None else (None, None)
-    allowed = visible(q_pos, k_pos, *docs, window=window)
-    if chunk is not None:
-        blocks = context.chunk_ids(chunk).to(device)
-        allowed = allowed & (blocks[:, q_pos][:, None, :, None] == blocks[:, k_pos][:, None, None, :])
-    if context.padding_mask is not None:
-        allowed = allowed & context.padding_mask.to(device)[:, k_pos][:, None, None, :]
-    if not bool(allowed.any()):
-        return None
-    if bool(allowed.all()):
-        return Tile(q_run, k_run, None)
-    if (q_first, q_last) == (k_first, k_last) and torch.equal(allowed, _lower(allowed)):
-        return Tile(q_run, k_run, None, causal=True)
-    return Tile(q_run, k_run, allowed.contiguous())
-
-
-def _joined(a: Tile, b: Tile) -> Tile | None:
-    """Two fully visible tiles side by side (one query run, adjacent key runs, or the
-    reverse) as one: the same work in one kernel call of twice the size."""
-    if a.mask is not None or b.mask is not None or a.causal or b.causal:
-        return None
-    if a.q == b.q and a.k.stop == b.k.start:
-        return Tile(a.q, slice(a.k.start, b.k.stop), None)
-    if a.k == b.k and a.q.stop == b.q.start:
-        return Tile(slice(a.q.start, b.q.stop), a.k, None)
-    return None
-
-
-def _join_full_tiles(tiles: list[Tile]) -> list[Tile]:
-    # Zig-zag's off-diagonal blocks are two full tiles that share a run: one call each.
-    joined = True
-    while joined:
-        joined = False
-        for i, j in itertools.permutations(range(len(tiles)), 2):
-            tile = _joined(tiles[i], tiles[j])
-            if tile is not None:
-                tiles = [t for n, t in enumerate(tiles) if n not in (i, j)] + [tile]
-                joined = True
-                break
-    return tiles
-
-
-def ring_tiles(context, rank: int, device: torch.device, window: int | None = None,
-               chunk: int | None = None) -> list[list[Tile]]:
-    """This rank's queries against every rank's keys, as tiles between runs of consecutive
-    positions: causal by global position, within each packed document and the sliding
-    window, never onto padding. A tile nothing sees is left out (zig-zag's saving, and a
-    window's), one everything sees has no mask, and full tiles side by side are one."""
-    positions = [p.to(device) for p in context.ring_positions]
-    mine = positions[rank]
-    blocks = []
-    for theirs in positions:
-        tiles = (_tile(q_run, k_run, mine, theirs, context, device, window, chunk)
-                 for q_run in _runs(mine) for k_run in _runs(theirs))
-        blocks.append(_join_full_tiles([tile for tile in tiles if tile is not None]))
-    return blocks
-
-
-def ring_steps(positions: list[torch.Tensor], window: int | None, chunk: int | None = None) -> int:
-    """How many ring steps a layer needs (the same on every rank: it reads every member's
-    positions): one past the last step at which some rank's queries can see the chunk it
-    then holds (by position, window and blocks; documents and padding only hide more, so the
-    caller passes ``chunk`` only where blocks follow the positions). Causal attention needs
-    every step; a window or blocks shorter than the chunks, with contiguous chunks, only the
-    previous rank's: the K/V stop travelling there, and so do their gradients."""
-    if window is None and chunk is None:
-        return len(positions)
-    runs = [[_ends(p, run) for run in _runs(p)] for p in positions]
-    size = len(positions)
-
-    def seen(step: int) -> bool:
-        return any(not _unseen(q, k, window, chunk) for rank in range(size)
-                   for q in runs[rank] for k in runs[(rank - step) % size])
-
-    return 1 + max(step for step in range(size) if seen(step))
+def _block_map(state, context, device: torch.device, window: int | None, chunk: int | None) -> tuple:
+    """This rank's tiles per source, the ring's steps and each chunk's shipped rows for one
+    mask kind: built by the first layer of each kind in a forward, reused by the others."""
+    if (window, chunk) not in context.ring_tiles:
+        plain = context.documents is None and context.padding_mask is None
+        reach = chunk if plain else None  # chunks follow the positions only in plain rows
+        starts = context.document_starts() if context.documents is not None else None
+        context.ring_tiles[window, chunk] = (
+            ring_tiles(context, state.ring_rank, device, window, chunk, block=state.block_size),
+            ring_steps(context.ring_positions, window, reach, starts),
+            shipped_rows(context.ring_positions, window, reach, starts))
+    return context.ring_tiles[window, chunk]
 
 
 def ring_core(state) -> Any:
-    """The ring as an HF core attention: ``query [B, H, S_member, D]`` of this ring member
-    (a pure ring: this rank's chunk; hybrid: its Ulysses group's, for H/ulysses heads).
+    """The ring (or, ``cp_plan.mode: kv_allgather``, the KV all-gather) as an HF core
+    attention: ``query [B, H, S_member, D]`` of this member (alone: this rank's chunk; under
+    Ulysses: its Ulysses group's, for H/ulysses heads).
 
     Under per-block compile it runs eagerly, one graph break per layer: dynamo does not
     trace P2P by default (each ``P2POp`` would break the graph), and the tiles are slices
     whose bounds depend on the positions' values."""
+    what = "KV all-gather" if state.mode == "kv_allgather" else "ring"
 
     @torch.compiler.disable
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -313,18 +189,14 @@ def ring_core(state) -> Any:
         if context is None:
             raise RuntimeError("context-parallel attention ran outside a context-parallel forward")
         if dropout and module.training:
-            raise ConfigError("cp_plan.mode", state.mode, "set the model's attention_dropout to 0 under ring "
-                              "context parallel", reason="ring attention has no dropout")
+            raise ConfigError("cp_plan.mode", state.mode, f"set the model's attention_dropout to 0 under {what} "
+                              "context parallel", reason=f"{what} attention has no dropout")
         if kwargs.get("softcap") is not None:
             raise ConfigError("cp_plan.mode", state.mode, "use mode 'ulysses' for this model",
-                              reason="ring attention does not soft-cap its logits (softcap)")
+                              reason=f"{what} attention does not soft-cap its logits (softcap)")
         spec = state.spec(module)
         window, chunk, sinks = kwargs.get("sliding_window") or spec.window, spec.chunk, kwargs.get("s_aux")
-        if (window, chunk) not in context.ring_tiles:  # the first layer of each mask kind builds them
-            plain = context.documents is None and context.padding_mask is None
-            context.ring_tiles[window, chunk] = (ring_tiles(context, state.ring_rank, query.device, window, chunk),
-                                                 ring_steps(context.ring_positions, window, chunk if plain else None))
-        tiles, steps = context.ring_tiles[window, chunk]
+        tiles, steps, shipped = _block_map(state, context, query.device, window, chunk)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         # Values of another width than queries and keys (MLA's) are padded with zeros, which
         # change no score and no output column: the block kernels take one head size.
@@ -333,8 +205,12 @@ def ring_core(state) -> Any:
         query, key, value = (F.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
         # blocks in fp32 at least (fp64 stays): the merge and the recomputed backward are exact to rounding
         exact = torch.promote_types(query.dtype, torch.float32)
-        out = ring_attention(query.to(exact), key.to(exact), value.to(exact), scale, tiles, state.ring_group,
-                             sinks=None if sinks is None else sinks.to(exact), steps=steps)
+        q, k, v = query.to(exact), key.to(exact), value.to(exact)
+        sinks = None if sinks is None else sinks.to(exact)
+        if state.mode == "kv_allgather":
+            out = kv_allgather_attention(q, k, v, scale, tiles, state.ring_group, sinks=sinks)
+        else:
+            out = ring_attention(q, k, v, scale, tiles, state.ring_group, sinks=sinks, steps=steps, shipped=shipped)
         return out[..., :value_width].to(query.dtype).transpose(1, 2).contiguous(), None
 
     return attention

@@ -9,14 +9,17 @@ its backward, which return and take the log-sum-exp) computes the same numbers w
 that matrix. It wants an additive mask of the query's dtype, and it reports ``lse = 0``
 for a query row that sees no key of the block: such rows are set to ``-inf`` (and their
 output to 0) here, so the merge ignores them.
+
+``attend_tiles`` and ``tile_grads`` run a source's tiles (``blocks.Tile``) through them: the
+ring and the KV all-gather differ only in how the keys and values arrive.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fsdp_turbo.core.ops import register_op
-from fsdp_turbo.distributed.context_parallel.ring_math import block_attention, block_grads
+from fsdp_turbo.core.ops import call_op, register_op
+from fsdp_turbo.distributed.context_parallel.ring_math import block_attention, block_grads, merge
 
 FORWARD = "cp.ring_block_forward"
 BACKWARD = "cp.ring_block_backward"
@@ -66,3 +69,58 @@ def cpu_flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale)
     return grads[0], grads[1], grads[2]
+
+
+def expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    """GQA: each K/V head serves ``groups`` query heads. Chunks travel unexpanded."""
+    return kv.repeat_interleave(groups, dim=1) if groups > 1 else kv
+
+
+def fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of ``expand``: the query heads' shares summed per K/V head."""
+    return grad.unflatten(1, (-1, groups)).sum(2) if groups > 1 else grad
+
+
+def _keys(tile, offset: int) -> slice:
+    # a chunk that arrived trimmed to its shipped rows: tile slices count from the whole chunk
+    return tile.k if not offset else slice(tile.k.start - offset, tile.k.stop - offset)
+
+
+def start_partials(q: torch.Tensor, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output and lse before any block: nothing, or (attention sinks) the sink as the first
+    partial of every row (output 0, lse its logit)."""
+    out = torch.zeros_like(q)
+    if sinks is None:
+        return out, torch.full(q.shape[:3], float("-inf"), dtype=q.dtype, device=q.device)
+    return out, sinks.to(q.dtype)[None, :, None].expand(q.shape[:3]).clone()
+
+
+def attend_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, tiles: list, out: torch.Tensor,
+                 lse: torch.Tensor, offset: int = 0) -> None:
+    """Merge one source's tiles into ``out`` and ``lse`` (in place); ``k``/``v`` that source's
+    chunk (K/V heads), starting at its row ``offset``."""
+    groups = q.shape[1] // k.shape[1]
+    keys, values = expand(k, groups), expand(v, groups)
+    for tile in tiles:
+        rows = _keys(tile, offset)
+        block_out, block_lse = call_op(FORWARD, q.device.type, q[:, :, tile.q], keys[:, :, rows], values[:, :, rows],
+                                       scale, tile.mask, tile.causal)
+        out[:, :, tile.q], lse[:, :, tile.q] = merge(out[:, :, tile.q], lse[:, :, tile.q], block_out, block_lse)
+
+
+def tile_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, tiles: list, out: torch.Tensor,
+               lse: torch.Tensor, grad_out: torch.Tensor, grad_q: torch.Tensor, offset: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One source's tiles' gradients: adds their dQ into ``grad_q`` and returns that source's
+    dK and dV (K/V heads, the shape of ``k``)."""
+    groups = q.shape[1] // k.shape[1]
+    keys, values = expand(k, groups), expand(v, groups)
+    grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+    for tile in tiles:
+        rows = _keys(tile, offset)
+        dq, dk, dv = call_op(BACKWARD, q.device.type, q[:, :, tile.q], keys[:, :, rows], values[:, :, rows], scale,
+                             tile.mask, out[:, :, tile.q], lse[:, :, tile.q], grad_out[:, :, tile.q], tile.causal)
+        grad_q[:, :, tile.q] += dq
+        grad_k[:, :, rows] += fold(dk, groups)
+        grad_v[:, :, rows] += fold(dv, groups)
+    return grad_k, grad_v

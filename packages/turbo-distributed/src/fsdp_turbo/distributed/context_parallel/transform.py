@@ -46,9 +46,12 @@ _names = itertools.count()
 def _install_hf(model: nn.Module, state: CPState, implementation: str, model_mask: bool) -> str:
     # One registered name per model: the wrapper closes over that model's CP group.
     name = f"fsdp_turbo_{state.mode}_{next(_names)}_{implementation}"
-    wrapper = {"ring": lambda: ring_hf_attention(state),
-               "hybrid": lambda: ulysses_hf_attention(state, implementation, core=ring_core(state)),
-               "ulysses": lambda: ulysses_hf_attention(state, implementation)}[state.mode]()
+    if state.mode == "ulysses":
+        wrapper = ulysses_hf_attention(state, implementation)
+    elif state.ulysses_size > 1:  # hybrid, or Ulysses x KV all-gather
+        wrapper = ulysses_hf_attention(state, implementation, core=ring_core(state))
+    else:
+        wrapper = ring_hf_attention(state)
     register_attention_function(name, wrapper)
     if model_mask:  # the model reads its own mask beside the attention (an indexer, a compressor's entries)
         register_attention_mask(name, like="eager")
@@ -57,12 +60,13 @@ def _install_hf(model: nn.Module, state: CPState, implementation: str, model_mas
 
 
 def _core_wrapper(state: CPState, inner: Callable[..., Any]) -> Callable[..., Any]:
-    """A non-HF core attention under CP: Ulysses runs ``inner``; ring and hybrid replace it."""
-    if state.mode == "ring":
-        return ring_sdpa(state)
-    if state.mode == "hybrid":
+    """A non-HF core attention under CP: Ulysses runs ``inner``; ring, hybrid and KV all-gather
+    replace it."""
+    if state.mode == "ulysses":
+        return ulysses_core_attention(state, inner)
+    if state.ulysses_size > 1:
         return ulysses_core_attention(state, ring_sdpa(state, count_calls=False))
-    return ulysses_core_attention(state, inner)
+    return ring_sdpa(state)
 
 
 def _install_function(target: CPTarget, state: CPState) -> str:
@@ -82,7 +86,7 @@ def _install_modules(model: nn.Module, target: CPTarget, state: CPState) -> str:
 def _hybrid_groups(cp_groups: list[list[int]], ulysses: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's (Ulysses, ring) groups. Every rank creates every group, in one order, as
     ``new_group`` requires: within each CP group, Ulysses over consecutive CP ranks and the
-    ring across them."""
+    ring (or KV all-gather) across them."""
     me = dist.get_rank()
     mine: dict[str, dist.ProcessGroup] = {}
     for ranks in cp_groups:
@@ -98,16 +102,17 @@ def _hybrid_groups(cp_groups: list[list[int]], ulysses: int) -> tuple[dist.Proce
 
 def apply_cp_plan(model: nn.Module, plan: CPPlan, cp_mesh, cp_groups: list[list[int]] | None = None) -> CPState:
     """Install CP as planned; ``cp_mesh`` is the 1-D CP mesh; ``cp_groups`` every CP group's
-    global ranks (hybrid only: it makes sub-groups of each)."""
+    global ranks (Ulysses inside a ring or KV all-gather only: it makes sub-groups of each)."""
     target = plan.target
     extra = {}
-    if plan.mode == "hybrid":
+    if plan.nested:
         ulysses_group, ring_group = _hybrid_groups(cp_groups, plan.ulysses_size)
         rank = cp_mesh.get_local_rank()
         extra = {"ulysses_group": ulysses_group, "ulysses_size": plan.ulysses_size, "ring_group": ring_group,
                  "ring_size": plan.size // plan.ulysses_size, "ring_rank": rank // plan.ulysses_size}
     state = CPState(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(),
                     attention_layers=plan.attention_layers, mode=plan.mode, load_balance=plan.load_balance,
+                    block_size=plan.block_size,
                     linear_layers=len(plan.linear_layers),
                     layers={model.get_submodule(spec.name): spec for spec in plan.layers}, **extra)
     if target.hf_implementation:
@@ -123,9 +128,10 @@ def apply_cp_plan(model: nn.Module, plan: CPPlan, cp_mesh, cp_groups: list[list[
     install_input_splitter(model, state, plan.inputs)
     install_loss_sum(model, state.group, state.size)
     model.context_parallel_state = state
-    how = {"ring": "a ring", "ulysses": "Ulysses",
-           "hybrid": f"Ulysses over {plan.ulysses_size} inside a ring of {plan.size // max(plan.ulysses_size, 1)}"
-           }[plan.mode]
+    outer = {"ring": "a ring", "hybrid": "a ring", "kv_allgather": "a KV all-gather"}.get(plan.mode)
+    how = ("Ulysses" if outer is None else
+           f"Ulysses over {plan.ulysses_size} inside {outer} of {plan.size // plan.ulysses_size}" if plan.nested else
+           outer)
     _log.info(f"context_parallel over {state.size} ranks: {how} around {where}")
     return state
 
@@ -139,17 +145,18 @@ def plan_context_parallel(model: nn.Module, plan: CPPlanConfig | None, size: int
     linear = find_linear_attention(facts)
     refuse_ring(linear, plan.mode)  # first: no other fix helps a ring here
     _check_linear_attention(model, linear, size, tp)
-    if plan.mode == "hybrid" and (size % plan.ulysses_size or plan.ulysses_size >= size):
+    if plan.nested and (size % plan.ulysses_size or plan.ulysses_size >= size):
+        outer = "a ring" if plan.mode == "hybrid" else "a KV all-gather"
         raise ConfigError("cp_plan.ulysses_size", plan.ulysses_size,
                           f"use a divisor of context_parallel_size={size} below it (2 .. {size // 2})",
-                          reason="hybrid runs Ulysses over ulysses_size ranks inside a ring of the rest")
+                          reason=f"{plan.mode} runs Ulysses over ulysses_size ranks inside {outer} of the rest")
     check_head_split(facts, size, tp, plan)
     target = resolve_cp_target(model, plan, facts)
     # the wrapper knows an HF attention's module by the call (its first argument)
     layers = layer_specs(facts) if target.hf_implementation else ()
     _refuse_chunks_under_flash(layers, target, plan.mode)
     return CPPlan(size, target, len(layers) or _attention_layers(target, facts, linear), mode=plan.mode,
-                  load_balance=plan.load_balance, ulysses_size=plan.ulysses_size or 0,
+                  load_balance=plan.load_balance, ulysses_size=plan.ulysses_size or 0, block_size=plan.block_size,
                   inputs=InputNames(facts.token_input, facts.position_input, facts.ignore_index), linear_layers=linear,
                   layers=layers, **_sparse_parts(facts, target))
 
@@ -166,9 +173,9 @@ def _sparse_parts(facts: ModelFacts, target: CPTarget) -> dict[str, tuple[str, .
 
 def _refuse_chunks_under_flash(layers: tuple, target: CPTarget, mode: str) -> None:
     """A flash kernel takes a window but no mask, so Ulysses could not keep a chunked layer's
-    queries inside their blocks (the ring computes its own tiles and can)."""
+    queries inside their blocks (ring, hybrid and KV all-gather compute their own tiles and can)."""
     chunked = [spec for spec in layers if spec.chunk]
-    if chunked and mode != "ring" and (target.hf_implementation or "").startswith("flash"):
+    if chunked and mode == "ulysses" and (target.hf_implementation or "").startswith("flash"):
         raise ConfigError("model.config._attn_implementation", target.hf_implementation,
                           "load the model with attn_implementation 'sdpa' (or 'eager'), or use cp_plan.mode: ring",
                           reason=f"{chunked[0].name} attends within blocks of {chunked[0].chunk} positions, which "
@@ -207,11 +214,12 @@ def apply_context_parallel(model: nn.Module, plan: CPPlanConfig | None, cp_mesh,
     facts = facts if facts is not None else plain_api_facts(model)
     resolved = plan_context_parallel(model, plan, cp_mesh.size(), facts)
     groups = None
-    if resolved.mode == "hybrid":
+    if resolved.nested:
         ranks = cp_mesh.mesh.flatten().tolist()
         if len(ranks) != dist.get_world_size():
-            raise ConfigError("cp_plan.mode", "hybrid", "use FSDPTurbo for hybrid CP inside a larger mesh",
-                              reason="apply_context_parallel makes hybrid sub-groups only of a world-wide CP mesh")
+            raise ConfigError("cp_plan.mode", resolved.mode, "use FSDPTurbo for Ulysses inside a ring or KV all-gather "
+                              "inside a larger mesh",
+                              reason="apply_context_parallel makes the Ulysses sub-groups only of a world-wide CP mesh")
         groups = [ranks]
     return apply_cp_plan(model, resolved, cp_mesh, groups)
 
@@ -228,6 +236,6 @@ class ContextParallelTransform(Transform):
                                      tp=parallel_state.tp_size)
 
     def apply(self, model: nn.Module, plan: CPPlan, parallel_state: ParallelState) -> nn.Module:
-        groups = parallel_state.ranks_along("cp") if plan.mode == "hybrid" else None
+        groups = parallel_state.ranks_along("cp") if plan.nested else None
         apply_cp_plan(model, plan, parallel_state.mesh("cp"), groups)
         return model
