@@ -112,9 +112,17 @@ MODELS["gemma4 float64"] = ("gemma4", {"dtype": torch.float64, "experts_implemen
 CASES["gemma4 float64 fsdp2 x tp2 sp"] = ("gemma4 float64", _tp("gemma4", sequence_parallel=True))
 CASES["gemma4 float64 cp2 ring"] = ("gemma4 float64", _cp("ring", world=2))
 WORLD["gemma4 float64 cp2 ring"] = 2
-# Llama 4's chunks (of 6, cut inside each rank's part) under KV all-gather, blocks of 2 query rows
-CASES["llama4 cp2 kv_allgather"] = ("llama4", _cp("kv_allgather", world=2, block_size=2))
-WORLD["llama4 cp2 kv_allgather"] = 2
+# KV all-gather: Llama 4's chunks (of 6, cut inside each rank's part; blocks of 2 query rows); DSA's
+# indexer scoring each rank's queries against the gathered keys, its picks cutting the tiles (zig-zag
+# chunks: the gathered keys put back in sequence order); DeepSeek-V4's compressor on the gathered
+# sequence, its entries one more source every rank holds; and inside Ulysses
+for _name, _kind, _plan in (("llama4 cp2 kv_allgather", "llama4", {"block_size": 2}),
+                            ("deepseek_v32 cp2 kv_allgather", "deepseek_v32", {}),
+                            ("deepseek_v4 cp2 kv_allgather", "deepseek_v4", {})):
+    CASES[_name] = (_kind, _cp("kv_allgather", world=2, **_plan))
+    WORLD[_name] = 2
+for _kind in ("deepseek_v32", "deepseek_v4"):
+    CASES[f"{_kind} cp4 ulysses2 x kv_allgather2"] = (_kind, _cp("kv_allgather", 4, ulysses_size=2))
 
 
 # One launch per world size, each about the same time: one per worker of the suite

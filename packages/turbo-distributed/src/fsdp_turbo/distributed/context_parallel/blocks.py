@@ -265,6 +265,31 @@ def shipped_rows(positions: list[torch.Tensor], window: int | None, chunk: int |
     return shipped
 
 
+def selected_tiles(blocks: list[list[Tile]], indices: torch.Tensor, context, rank: int) -> list[list[Tile]]:
+    """The tiles cut to a sparse layer's picks: ``indices [B, s, k]`` the keys (global positions)
+    each of this member's queries keeps (DSA's indexer, top-k over the whole sequence). Each
+    tile becomes masked by what its mask allowed and the picks; a tile none of whose pairs is
+    picked is left out."""
+    positions = context.ring_positions
+    picked = torch.zeros(*indices.shape[:2], context.seq_len, dtype=torch.bool, device=indices.device)
+    picked.scatter_(-1, indices.long(), True)
+    picked = picked[:, None]  # [B, 1, s, S]
+    out = []
+    for source, tiles in enumerate(blocks):
+        keys = positions[source].to(indices.device)
+        kept = []
+        for tile in tiles_of(tiles):
+            part = picked[:, :, tile.q][..., keys[tile.k]]
+            if tile.mask is not None:
+                part = part & tile.mask
+            elif tile.causal:
+                part = part & _lower(part)
+            if bool(part.any()):
+                kept.append(Tile(tile.q, tile.k, part.contiguous()))
+        out.append(kept)
+    return out
+
+
 def computed_pairs(blocks: list) -> float:
     """The query-key pairs a rank's tiles compute, over every source (a causal square: half)."""
     return sum(tile.pairs for entry in blocks for tile in tiles_of(entry) if tile.q != ALL)

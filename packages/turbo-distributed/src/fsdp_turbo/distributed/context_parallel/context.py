@@ -40,6 +40,8 @@ class ForwardContext:
     ring_tiles: dict = field(default_factory=dict)
     positions: torch.Tensor | None = None  # [B, seq_len] the position values (position_ids, padding continuing them)
     my_positions: torch.Tensor | None = None  # [seq_len / cp] this rank's tokens' indices in the padded rows
+    # every CP rank's tokens gathered in rank order, indexed by this: the sequence's order (None: already it)
+    sequence_order: torch.Tensor | None = None
     _chunks: dict = field(default_factory=dict)
     _documents: dict = field(default_factory=dict)
 

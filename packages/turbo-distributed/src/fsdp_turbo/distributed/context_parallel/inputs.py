@@ -45,11 +45,23 @@ def ring_positions(state: CPState, full: int) -> list[torch.Tensor]:
     return [chunk_positions(full, state.ring_size, member, load_balance) for member in range(state.ring_size)]
 
 
-def local_positions(state: CPState, members: list[torch.Tensor]) -> torch.Tensor:
-    """This rank's positions: its Ulysses rank's contiguous part of its ring member's."""
-    mine = members[state.ring_rank]
+def local_positions(state: CPState, members: list[torch.Tensor], rank: int | None = None) -> torch.Tensor:
+    """This rank's (or CP rank ``rank``'s) positions: its Ulysses rank's contiguous part of its
+    ring member's (CP rank = ring rank x ulysses_size + Ulysses rank)."""
+    rank = state.rank if rank is None else rank
+    mine = members[rank // state.ulysses_size]
     part = mine.numel() // state.ulysses_size
-    return mine[state.ulysses_rank * part:(state.ulysses_rank + 1) * part]
+    ulysses_rank = rank % state.ulysses_size
+    return mine[ulysses_rank * part:(ulysses_rank + 1) * part]
+
+
+def sequence_order(state: CPState, members: list[torch.Tensor]) -> torch.Tensor | None:
+    """Where each position sits in the CP ranks' tokens gathered in rank order, or None where
+    that order is the sequence's (contiguous chunks in rank order)."""
+    gathered = torch.cat([local_positions(state, members, rank) for rank in range(state.size)])
+    if torch.equal(gathered, torch.arange(gathered.numel())):
+        return None
+    return torch.argsort(gathered)
 
 
 def _pad(x: torch.Tensor, extra: int, value: float | int) -> torch.Tensor:
@@ -130,7 +142,8 @@ def split_inputs(state: CPState, kwargs: dict[str, Any], names: InputNames = Inp
         out["attention_mask"] = None  # the wrapper builds the full-sequence mask itself
     state.current = ForwardContext(full, padding, packed_documents(kwargs.get(names.positions), extra),
                                    ring_positions=members if state.mode != "ulysses" else None,
-                                   positions=whole_positions, my_positions=local)
+                                   positions=whole_positions, my_positions=local,
+                                   sequence_order=sequence_order(state, members))
     return out
 
 

@@ -36,22 +36,28 @@ def _gather(chunk: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]
 class KVAllGatherAttention(torch.autograd.Function):
     """``out = softmax(q kᵀ · scale + mask) v`` over the whole sequence; q is this rank's chunk
     ``[B, H, S/cp, D]``, k and v ``[B, H_kv, S/cp, D]``. ``blocks[source]`` and ``sinks`` as
-    for ``RingAttention``."""
+    for ``RingAttention``. ``entry_k``/``entry_v`` ``[B, H_kv, T, D]``: keys every rank holds
+    whole (a compressed attention's), attended after the sequence's under ``entry_mask``
+    ``[B, 1, S/cp, T]``; their gradients stay on this rank (each rank made them from the whole
+    sequence, whose gather sums the shares); or None."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                scale: float, blocks: list, group: dist.ProcessGroup) -> torch.Tensor:
+                scale: float, blocks: list, group: dist.ProcessGroup, entry_k: torch.Tensor | None = None,
+                entry_v: torch.Tensor | None = None, entry_mask: torch.Tensor | None = None) -> torch.Tensor:
         keys, values = _gather(k, group), _gather(v, group)
         out, lse = start_partials(q, sinks)
         for source, entry in enumerate(blocks):
             attend_tiles(q, keys[source], values[source], scale, tiles_of(entry), out, lse)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.scale, ctx.blocks, ctx.group = scale, blocks, group
+        if entry_k is not None:
+            attend_tiles(q, entry_k, entry_v, scale, tiles_of(entry_mask), out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, entry_k, entry_v)
+        ctx.scale, ctx.blocks, ctx.group, ctx.entry_mask = scale, blocks, group, entry_mask
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
+        q, k, v, out, lse, sinks, entry_k, entry_v = ctx.saved_tensors
         keys, values = _gather(k, ctx.group), _gather(v, ctx.group)
         grad_q = torch.zeros_like(q)
         grads = [tile_grads(q, keys[source], values[source], ctx.scale, tiles_of(entry), out, lse, grad_out, grad_q)
@@ -59,10 +65,16 @@ class KVAllGatherAttention(torch.autograd.Function):
         grad_k, grad_v = torch.empty_like(k), torch.empty_like(v)
         dist.reduce_scatter(grad_k, [g[0] for g in grads], group=ctx.group)
         dist.reduce_scatter(grad_v, [g[1] for g in grads], group=ctx.group)
+        grad_entry_k = grad_entry_v = None
+        if entry_k is not None:
+            grad_entry_k, grad_entry_v = tile_grads(q, entry_k, entry_v, ctx.scale, tiles_of(ctx.entry_mask), out,
+                                                    lse, grad_out, grad_q)
         grad_sinks = None if sinks is None else sink_grad(sinks.to(q.dtype), out, lse, grad_out).to(sinks.dtype)
-        return grad_q, grad_k, grad_v, grad_sinks, None, None, None
+        return grad_q, grad_k, grad_v, grad_sinks, None, None, None, grad_entry_k, grad_entry_v, None
 
 
 def kv_allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, blocks: list,
-                           group: dist.ProcessGroup, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    return KVAllGatherAttention.apply(q, k, v, sinks, scale, blocks, group)
+                           group: dist.ProcessGroup, sinks: torch.Tensor | None = None,
+                           entries: tuple | None = None) -> torch.Tensor:
+    """``entries``: (keys, values, mask) every rank holds whole (a compressed attention's), or None."""
+    return KVAllGatherAttention.apply(q, k, v, sinks, scale, blocks, group, *(entries or (None, None, None)))

@@ -159,10 +159,10 @@ def _check_ring_can_compute(config: Any, mode: str) -> None:
 # The kinds context parallel cannot compute in some modes: kind -> (the modes it runs in, why not others)
 _KIND_MODES = {
     "unknown": ((), "context parallel does not know how to split it"),
-    "sparse": (("ulysses",), "its indexer picks each query's keys from the whole sequence, which Ulysses gathers "
-                             "(a ring would have to carry every layer's picks)"),
-    "compressed": (("ulysses",), "its compressed entries come from the whole sequence, which Ulysses gathers for "
-                                 "them (a ring would have to carry every layer's entries and their mask)"),
+    "sparse": (("ulysses", "kv_allgather"), "its indexer picks each query's keys from the whole sequence, which "
+                                            "Ulysses and KV all-gather hold (a ring passes one chunk at a time)"),
+    "compressed": (("ulysses", "kv_allgather"), "its compressed entries come from the whole sequence, which Ulysses "
+                                                "and KV all-gather hold (a ring passes one chunk at a time)"),
 }
 
 

@@ -32,7 +32,13 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.distributed.context_parallel.blocks import ring_steps, ring_tiles, shipped_rows, tiles_of
+from fsdp_turbo.distributed.context_parallel.blocks import (
+    ring_steps,
+    ring_tiles,
+    selected_tiles,
+    shipped_rows,
+    tiles_of,
+)
 from fsdp_turbo.distributed.context_parallel.kv_allgather import kv_allgather_attention
 from fsdp_turbo.distributed.context_parallel.layer_masks import rescale_queries
 from fsdp_turbo.distributed.context_parallel.ring_kernels import attend_tiles, start_partials, tile_grads
@@ -197,6 +203,8 @@ def ring_core(state) -> Any:
         spec = state.spec(module)
         window, chunk, sinks = kwargs.get("sliding_window") or spec.window, spec.chunk, kwargs.get("s_aux")
         tiles, steps, shipped = _block_map(state, context, query.device, window, chunk)
+        if kwargs.get("indices") is not None:  # a sparse layer's picks: only those keys, per query
+            tiles = selected_tiles(tiles, kwargs["indices"], context, state.ring_rank)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         # Values of another width than queries and keys (MLA's) are padded with zeros, which
         # change no score and no output column: the block kernels take one head size.
@@ -208,7 +216,15 @@ def ring_core(state) -> Any:
         q, k, v = query.to(exact), key.to(exact), value.to(exact)
         sinks = None if sinks is None else sinks.to(exact)
         if state.mode == "kv_allgather":
-            out = kv_allgather_attention(q, k, v, scale, tiles, state.ring_group, sinks=sinks)
+            # keys past the queries' tokens: a compressed attention's entries, which every rank
+            # holds whole, their visibility the mask's last columns (sparse.py)
+            extra = key.shape[2] - query.shape[2]
+            entries = None
+            if extra > 0:
+                rows = attention_mask[..., -extra:]
+                entries = (k[:, :, -extra:], v[:, :, -extra:], rows if rows.dtype == torch.bool else rows == 0)
+                k, v = k[:, :, :-extra], v[:, :, :-extra]
+            out = kv_allgather_attention(q, k, v, scale, tiles, state.ring_group, sinks=sinks, entries=entries)
         else:
             out = ring_attention(q, k, v, scale, tiles, state.ring_group, sinks=sinks, steps=steps, shipped=shipped)
         return out[..., :value_width].to(query.dtype).transpose(1, 2).contiguous(), None

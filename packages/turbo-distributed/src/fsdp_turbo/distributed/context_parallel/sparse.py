@@ -39,10 +39,25 @@ from fsdp_turbo.distributed.context_parallel.context import CPState, ForwardCont
 
 
 def gather_sequence(local: torch.Tensor, state: CPState) -> torch.Tensor:
-    """``[B, s, ...]`` chunks of every Ulysses rank, in sequence order (no gradient)."""
+    """``[B, s, ...]`` chunks of every Ulysses rank, in sequence order (no gradient): the ring or
+    KV all-gather member's tokens (pure Ulysses: the whole sequence)."""
     parts = [torch.empty_like(local) for _ in range(state.ulysses_size)]
     dist.all_gather(parts, local.contiguous(), group=state.ulysses_group)
     return torch.cat(parts, dim=1)
+
+
+def gather_whole(local: torch.Tensor, state: CPState, *, autograd: bool = False) -> torch.Tensor:
+    """``[B, s, ...]`` chunks of every CP rank as the whole sequence ``[B, S, ...]``, in its order
+    (zig-zag chunks are put back in place). ``autograd``: the backward gives each rank its
+    chunk's share, summed over ranks."""
+    if autograd:
+        whole = funcol.all_gather_tensor_autograd(local.contiguous(), 1, state.group)
+    else:
+        parts = [torch.empty_like(local) for _ in range(state.size)]
+        dist.all_gather(parts, local.contiguous(), group=state.group)
+        whole = torch.cat(parts, dim=1)
+    order = state.current.sequence_order if state.current is not None else None
+    return whole if order is None else whole[:, order.to(whole.device)]
 
 
 class _EveryRanksKeys:
@@ -52,7 +67,7 @@ class _EveryRanksKeys:
         self.state = state
 
     def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        return gather_sequence(keys, self.state)
+        return gather_whole(keys, self.state)
 
 
 def _visible(context: ForwardContext, device: torch.device) -> torch.Tensor:
@@ -86,9 +101,8 @@ def _compressor_forward(original: Callable[..., Any], state: CPState, hidden_sta
     context = state.current
     if context is None:
         raise RuntimeError("context-parallel compressed attention ran outside a context-parallel forward")
-    group = state.ulysses_group
     # the whole sequence on every rank; backward: each rank's chunk gets every rank's share
-    whole = [funcol.all_gather_tensor_autograd(x.contiguous(), 1, group) for x in (hidden_states, q_residual)]
+    whole = [gather_whole(x, state, autograd=True) for x in (hidden_states, q_residual)]
     positions = context.positions.to(position_ids.device)
     entries, bias = original(*whole, positions, None, layer_idx)  # stateless: the model's cache holds nothing yet
     rows = None if bias is None else bias[:, :, context.my_positions.to(bias.device)]

@@ -28,7 +28,7 @@ from fsdp_turbo.core.hf import attention_function
 from fsdp_turbo.distributed.context_parallel.all_to_all import heads_to_sequence, sequence_to_heads
 from fsdp_turbo.distributed.context_parallel.context import CPState
 from fsdp_turbo.distributed.context_parallel.layer_masks import rescale_queries
-from fsdp_turbo.distributed.context_parallel.sparse import gather_rows, picked
+from fsdp_turbo.distributed.context_parallel.sparse import gather_rows, gather_sequence, picked
 
 
 def replicated_kv_heads(kv_heads: int, cp: int) -> int:
@@ -161,8 +161,10 @@ def ulysses_hf_attention(state: CPState, inner: str, core: Callable[..., Any] | 
         # this rank now holds query heads [rank * heads/cp, (rank + 1) * heads/cp) of the whole sequence
         mine = slice(state.ulysses_rank * parts[0], (state.ulysses_rank + 1) * parts[0])
         view, kwargs = heads_view(module, heads // kv_heads, mine, kwargs, spec.head_parameters)
-        if core is not None:
-            out, _ = core(view, q, k, v, None, **kwargs)
+        if core is not None:  # the member's queries: its picks and its entries' mask rows gathered with them
+            if indices is not None:
+                kwargs["indices"] = gather_sequence(indices, state)
+            out, _ = core(view, q, k, v, None if entries is None else entries[2], **kwargs)
             return heads_to_sequence(out, group, cp), None
         function = attention_function(inner, module)
         # flash kernels take the window as an argument (HF passes sliding_window on); the others read the mask
