@@ -29,7 +29,7 @@ TRITON_TESTS = "test_quant_triton.py"  # turbo-quant's, run once triton is insta
 ALL_PACKAGES = ("turbo-core", "turbo-distributed", "turbo-memory", "turbo-quant", "fsdp-turbo")
 # loadgroup: a module marked xdist_group runs on one worker (its module fixtures are built once)
 # --durations: the slowest tests in every CI log, to keep CI inside its time
-PYTEST = ("pytest", "-n", "2", "--dist", "loadgroup", "--timeout", "900", "--durations", "15")
+PYTEST = ("pytest", "-n", "2", "--dist", "loadgroup", "--timeout", "900", "--durations", "40")
 
 # quant_triton's tests run at the end of the quant session (one environment fewer).
 nox.options.sessions = ["lint", "build", "core", *FEATURE_PACKAGES, "integration", "peers"]

@@ -62,15 +62,13 @@ CASES["gpt_oss cp4 ring contiguous"] = ("gpt_oss", {"context_parallel_size": 4,
                                                     "cp_plan": {"mode": "ring", "load_balance": False}})
 CASES["gpt_oss cp4 hybrid"] = ("gpt_oss", {"context_parallel_size": 4,
                                            "cp_plan": {"mode": "hybrid", "ulysses_size": 2}})
-# KV all-gather: chunks of 4 under the window of 8, then composed with EP, recompute, the chunked loss
-# and MXFP8 (the block map cuts every tile in query blocks of 2 rows)
+# KV all-gather: chunks of 4 under the window of 8; then composed with EP, full recompute, the chunked
+# loss and MXFP8 (the block map cuts every tile in query blocks of 2 rows)
 CASES["gpt_oss cp4 kv_allgather contiguous"] = ("gpt_oss", {"context_parallel_size": 4, "cp_plan": {
     "mode": "kv_allgather", "load_balance": False, "block_size": 2}})
-CASES["gpt_oss cp2 x ep2 kv_allgather recompute + chunk loss"] = ("gpt_oss", {
+CASES["gpt_oss cp2 x ep2 kv_allgather recompute + chunk loss mxfp8"] = ("gpt_oss", {
     **_ep("fused"), "context_parallel_size": 2, "cp_plan": {"mode": "kv_allgather", "block_size": 2},
-    "recompute": True, "recompute_policy": "full", "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12}})
-CASES["gpt_oss cp2 x fsdp2 kv_allgather mxfp8"] = ("gpt_oss", {
-    "fully_shard_parallel_size": 2, "context_parallel_size": 2, "cp_plan": {"mode": "kv_allgather"},
+    "recompute": True, "recompute_policy": "full", "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12},
     "quantization_plan": MX_PLAN})
 # gpt-oss's transposed, biased experts (clamped SwiGLU) and its attention in MXFP8: FSDP, and EP with
 # expert FSDP under every dispatcher

@@ -184,14 +184,20 @@ def test_hybrid_ulysses2_x_ring2(load_balance):
         assert implementation.startswith("fsdp_turbo_hybrid")
 
 
-@pytest.mark.parametrize("layout", ["cp2 x fsdp2", "ulysses2 x kv_allgather2"])
+KV_LAYOUTS = {
+    "cp2 x fsdp2": {"context_parallel_size": 2, "fully_shard_parallel_size": 2, "cp_plan": {"mode": "kv_allgather"}},
+    "cp2 x tp2": {"context_parallel_size": 2, "tensor_parallel_size": 2, "tp_plan": TP_PLAN,
+                  "cp_plan": {"mode": "kv_allgather"}},
+    "ulysses2 x kv_allgather2": {"context_parallel_size": 4, "cp_plan": {"mode": "kv_allgather", "ulysses_size": 2}},
+}
+
+
+@pytest.mark.parametrize("layout", sorted(KV_LAYOUTS))
 def test_kv_allgather(layout):
-    """Each rank keeps its queries and all-gathers K and V (zig-zag chunks): beside FSDP, and
-    inside Ulysses (the upstream's kv_allgather_parallel_size x ulysses)."""
-    if layout == "cp2 x fsdp2":
-        config = {"context_parallel_size": 2, "fully_shard_parallel_size": 2, "cp_plan": {"mode": "kv_allgather"}}
-    else:
-        config = {"context_parallel_size": 4, "cp_plan": {"mode": "kv_allgather", "ulysses_size": 2}}
+    """Each rank keeps its queries and all-gathers K and V (zig-zag chunks): beside FSDP, beside
+    TP (each rank's heads), and inside Ulysses (the upstream's kv_allgather_parallel_size x
+    ulysses)."""
+    config = KV_LAYOUTS[layout]
     for record, implementation in run_distributed(cp_run, 4, "llama", BATCHES, config, timeout=300):
         assert_parity(reference("llama"), record, **TOL)
         assert implementation.startswith("fsdp_turbo_kv_allgather")

@@ -204,27 +204,37 @@ def _block_rank(mode: str, name: str):
     return mine, out.detach(), [t.grad for t in leaves], None if sink is None else sink.grad
 
 
-@pytest.mark.parametrize("mode", ["ring", "kv_allgather"])
-@pytest.mark.parametrize("name", sorted(MASKS))
-def test_block_sparse_attention_equals_full_attention(mode, name):
-    """Output, dQ/dK/dV (GQA: 4 query heads on 2 K/V heads) and the sinks' gradient equal one
-    full attention under each mask, for the ring (with its shortened, trimmed sends) and the KV
-    all-gather."""
-    case = MASKS[name]
+def _every_mask(mode: str) -> dict:
+    return {name: _block_rank(mode, name) for name in MASKS}
+
+
+def _expected(case: dict):
     q, k, v, grad_out = _long_inputs()
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     keys, values = (t.repeat_interleave(2, dim=1) for t in leaves[1:])
     mask = _full_mask(case)
+    sinks = None
     if case.get("sinks"):
         sinks = SINKS.repeat(2).clone().requires_grad_()
         expected = _full_attention_with_sinks(leaves[0], keys, values, mask, sinks)
     else:
         expected = F.scaled_dot_product_attention(leaves[0], keys, values, attn_mask=mask)
     expected.backward(grad_out)
-    results = run_distributed(_block_rank, CP, mode, name, timeout=120)
-    for mine, out, grads, _ in results:
-        torch.testing.assert_close(out, expected.detach()[:, :, mine], rtol=1e-5, atol=1e-6)
-        for got, leaf in zip(grads, leaves, strict=True):
-            torch.testing.assert_close(got, leaf.grad[:, :, mine], rtol=1e-5, atol=1e-5)
-    if case.get("sinks"):
-        torch.testing.assert_close(sum(r[3] for r in results), sinks.grad, rtol=1e-5, atol=1e-6)
+    return expected.detach(), leaves, sinks
+
+
+@pytest.mark.parametrize("mode", ["ring", "kv_allgather"])
+def test_block_sparse_attention_equals_full_attention(mode):
+    """Under each mask (one launch for all): output, dQ/dK/dV (GQA: 4 query heads on 2 K/V
+    heads) and the sinks' gradient equal one full attention, for the ring (with its shortened,
+    trimmed sends) and the KV all-gather."""
+    results = run_distributed(_every_mask, CP, mode, timeout=120)
+    for name, case in MASKS.items():
+        expected, leaves, sinks = _expected(case)
+        for rank_results in results:
+            mine, out, grads, _ = rank_results[name]
+            torch.testing.assert_close(out, expected[:, :, mine], rtol=1e-5, atol=1e-6, msg=name)
+            for got, leaf in zip(grads, leaves, strict=True):
+                torch.testing.assert_close(got, leaf.grad[:, :, mine], rtol=1e-5, atol=1e-5, msg=name)
+        if sinks is not None:
+            torch.testing.assert_close(sum(r[name][3] for r in results), sinks.grad, rtol=1e-5, atol=1e-6, msg=name)
