@@ -179,7 +179,9 @@ def _coverage(blocks, positions, rank, seq):
         for tile in tiles:
             q, k = rows[tile.q], positions[source][tile.k]
             part = torch.ones(len(q), len(k), dtype=torch.bool) if tile.mask is None else tile.mask[0, 0]
-            covered[q[:, None], k[None, :]] += (part.tril() if tile.causal else part).int()
+            if tile.causal:
+                part = part.triu() if tile.reverse else part.tril()
+            covered[q[:, None], k[None, :]] += part.int()
     return covered, computed_pairs(blocks)
 
 

@@ -145,6 +145,8 @@ def test_every_transfer_but_the_last_hides_behind_a_block():
 LONG, BLOCK = 64, 4
 MASKS = {
     "window": {"load_balance": False, "window": 6, "sinks": True},
+    # a window the blocks divide: each block's lower edge is an upper triangle, computed reversed
+    "window of two blocks": {"load_balance": True, "window": 8},
     "documents": {"load_balance": True, "documents": torch.tensor([[0] * 10 + [1] * 30 + [2] * 24,
                                                                    [0] * 33 + [1] * 31])},
     "chunk": {"load_balance": False, "chunk": 12},

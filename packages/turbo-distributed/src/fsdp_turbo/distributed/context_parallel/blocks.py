@@ -10,10 +10,11 @@ zig-zag: two). For each pair of runs (this rank's queries, a source's keys):
   tile with no mask, decided from the runs' ends alone (no ``[S, S]`` mask is built);
 - anything else the mask cuts is split into query blocks of ``block`` rows (and at every
   chunk and document boundary), and each block computes only the keys its rows can see, in
-  up to three tiles: the window's lower edge (masked), the keys every row sees (no mask) and
-  the diagonal (causal, or masked). So the pairs computed are at most what the mask keeps
-  plus about one ``block x block`` square per query block, whatever the mask: a window, chunks,
-  packed documents or causal.
+  up to three tiles: the window's lower edge, the keys every row sees (no mask) and the
+  diagonal (causal, or masked). Where the block divides the window, the edge is an upper
+  triangle, which a causal kernel computes with both sides reversed; else it is masked. So
+  the pairs computed are at most what the mask keeps plus about half a ``block x block``
+  square per query block, whatever the mask: a window, chunks, packed documents or causal.
 
 Full tiles side by side (zig-zag's off-diagonal halves, a window's full rows) are joined.
 
@@ -42,6 +43,9 @@ class Tile:
     k: slice
     mask: torch.Tensor | None
     causal: bool = False  # a diagonal square: plain causal, no mask needed
+    # with causal: the upper triangle instead (a window's lower edge, ``key >= query`` in the
+    # square): causal once both sides are reversed
+    reverse: bool = False
 
     @property
     def pairs(self) -> float:
@@ -101,6 +105,16 @@ def _lower(part: torch.Tensor) -> torch.Tensor:
     return square.expand_as(part)
 
 
+def _upper(part: torch.Tensor) -> torch.Tensor:
+    square = torch.ones(part.shape[-2], part.shape[-1], dtype=torch.bool, device=part.device).triu()
+    return square.expand_as(part)
+
+
+def triangle(tile: Tile, part: torch.Tensor) -> torch.Tensor:
+    """What a causal tile computes, as a mask of ``part``'s shape."""
+    return _upper(part) if tile.reverse else _lower(part)
+
+
 def _plain_tile(q_ends: tuple[int, int], k_ends: tuple[int, int], q_run: slice, k_run: slice,
                 window: int | None, chunk: int | None) -> Tile | None:
     """Without documents or padding: the mask-free tile the runs make (every pair visible, or
@@ -132,8 +146,11 @@ def _masked_tile(q_run: slice, k_run: slice, mine: torch.Tensor, theirs: torch.T
         return None
     if bool(allowed.all()):
         return Tile(q_run, k_run, None)
+    square = allowed.shape[-1] == allowed.shape[-2]
     if ends(mine, q_run) == ends(theirs, k_run) and torch.equal(allowed, _lower(allowed)):
         return Tile(q_run, k_run, None, causal=True)
+    if square and torch.equal(allowed, _upper(allowed)):  # a window's lower edge, block rows inside the window
+        return Tile(q_run, k_run, None, causal=True, reverse=True)
     return Tile(q_run, k_run, allowed.contiguous())
 
 
@@ -154,8 +171,9 @@ def _block_tiles(rows: slice, k_run: slice, mine: torch.Tensor, theirs: torch.Te
     r_first, r_last = ends(mine, rows)
     starts = context.document_starts() if context.documents is not None else None
     low = earliest(r_first, window, chunk if plain else None, starts)  # the first key position any row may see
-    # every row sees the keys [every, r_first)
-    every = min(max(low, r_last - window + 1), r_first) if window is not None else low
+    # every row sees the keys [every, r_first); the window's edge [low, every) is the square whose
+    # last key only the last row's window just reaches: an upper triangle when nothing clips it
+    every = min(max(low, r_last - window + 2), r_first) if window is not None else low
     k_first, k_last = ends(theirs, k_run)
     tiles = []
     for a, b in ((low, every), (every, r_first), (r_first, r_last + 1)):
@@ -283,7 +301,7 @@ def selected_tiles(blocks: list[list[Tile]], indices: torch.Tensor, context, ran
             if tile.mask is not None:
                 part = part & tile.mask
             elif tile.causal:
-                part = part & _lower(part)
+                part = part & triangle(tile, part)
             if bool(part.any()):
                 kept.append(Tile(tile.q, tile.k, part.contiguous()))
         out.append(kept)

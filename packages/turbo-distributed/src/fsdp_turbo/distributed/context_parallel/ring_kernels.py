@@ -86,6 +86,15 @@ def _keys(tile, offset: int) -> slice:
     return tile.k if not offset else slice(tile.k.start - offset, tile.k.stop - offset)
 
 
+def _flip(x: torch.Tensor, dim: int = 2) -> torch.Tensor:
+    # a reversed tile's rows and keys in reverse order: its upper triangle becomes causal's lower one
+    return x.flip(dim)
+
+
+def _same(x: torch.Tensor, dim: int = 2) -> torch.Tensor:
+    return x
+
+
 def start_partials(q: torch.Tensor, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The output and lse before any block: nothing, or (attention sinks) the sink as the first
     partial of every row (output 0, lse its logit)."""
@@ -103,8 +112,10 @@ def attend_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     keys, values = expand(k, groups), expand(v, groups)
     for tile in tiles:
         rows = _keys(tile, offset)
-        block_out, block_lse = call_op(FORWARD, q.device.type, q[:, :, tile.q], keys[:, :, rows], values[:, :, rows],
-                                       scale, tile.mask, tile.causal)
+        flip = _flip if tile.reverse else _same
+        block_out, block_lse = call_op(FORWARD, q.device.type, flip(q[:, :, tile.q]), flip(keys[:, :, rows]),
+                                       flip(values[:, :, rows]), scale, tile.mask, tile.causal)
+        block_out, block_lse = flip(block_out), flip(block_lse, -1)
         out[:, :, tile.q], lse[:, :, tile.q] = merge(out[:, :, tile.q], lse[:, :, tile.q], block_out, block_lse)
 
 
@@ -118,8 +129,11 @@ def tile_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
     for tile in tiles:
         rows = _keys(tile, offset)
-        dq, dk, dv = call_op(BACKWARD, q.device.type, q[:, :, tile.q], keys[:, :, rows], values[:, :, rows], scale,
-                             tile.mask, out[:, :, tile.q], lse[:, :, tile.q], grad_out[:, :, tile.q], tile.causal)
+        flip = _flip if tile.reverse else _same
+        dq, dk, dv = call_op(BACKWARD, q.device.type, flip(q[:, :, tile.q]), flip(keys[:, :, rows]),
+                             flip(values[:, :, rows]), scale, tile.mask, flip(out[:, :, tile.q]),
+                             flip(lse[:, :, tile.q], -1), flip(grad_out[:, :, tile.q]), tile.causal)
+        dq, dk, dv = flip(dq), flip(dk), flip(dv)
         grad_q[:, :, tile.q] += dq
         grad_k[:, :, rows] += fold(dk, groups)
         grad_v[:, :, rows] += fold(dv, groups)
