@@ -62,12 +62,16 @@ def test_a_known_per_head_parameter_must_split_evenly():
 
 def test_context_parallel_plans_the_sliding_window_layers():
     model = tiny_hf_causal_lm("gpt_oss")
-    for mode in ("ulysses", "ring"):
+    for mode in ("ulysses", "ring", "kv_allgather"):
         plan = plan_context_parallel(model, CPPlanConfig(mode=mode), 2, resolve_model_facts(model))
         assert plan.sliding_layers == (0,)
         rows = {row.label: row.names for row in plan.describe()}
-        skipped = ", unseen tiles skipped, cut ones computed in blocks of 64 query rows" if mode == "ring" else ""
+        skipped = ", unseen tiles skipped, cut ones computed in blocks of 64 query rows" if mode != "ulysses" else ""
         assert rows["cp_plan (sliding window)"] == (f"layers [0]: masked by their window{skipped}",)
+    rows = {row.label: row.names for row in plan.describe()}
+    assert rows["cp_plan (attention)"] == (
+        "K/V all-gathered over 2 ranks (zig-zag chunks) on HF attention 'eager' calls",)
+    assert rows["cp_plan (causal)"] == ("layers [1]: K/V all-gathered",)
 
 
 def test_the_windows_and_sinks_come_from_the_model_facts():
