@@ -1,4 +1,5 @@
-"""Ulysses' two all-to-alls, differentiable: sequence-sharded <-> head-sharded.
+"""Ulysses' two all-to-alls, differentiable: sequence-sharded <-> head-sharded; and the
+plain all-gather of every rank's chunk that the KV all-gather and the sparse layers share.
 
 Layouts are HF's attention layouts: ``[batch, heads, seq, head_dim]`` in, ``[batch, seq,
 heads, head_dim]`` out of the core attention. Rank ``c`` holds sequence chunk ``c``
@@ -43,3 +44,10 @@ def sequence_to_channels(x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> 
     batch, seq, _, features = x.shape
     received = _exchange(x.permute(2, 0, 1, 3), group)  # [cp (sequence chunk), B, S/cp, F]
     return received.permute(1, 0, 2, 3).reshape(batch, cp * seq, features)
+
+
+def gather_chunks(local: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Every rank's ``local`` (all the same shape), in rank order (no gradient)."""
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return parts

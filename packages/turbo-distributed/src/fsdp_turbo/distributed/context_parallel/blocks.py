@@ -47,12 +47,6 @@ class Tile:
     # square): causal once both sides are reversed
     reverse: bool = False
 
-    @property
-    def pairs(self) -> float:
-        """Query-key pairs the kernel computes (a causal square: half, as flash kernels skip the rest)."""
-        rows, keys = self.q.stop - self.q.start, self.k.stop - self.k.start
-        return rows * keys / (2 if self.causal else 1)
-
 
 ALL = slice(None)
 
@@ -306,8 +300,3 @@ def selected_tiles(blocks: list[list[Tile]], indices: torch.Tensor, context, ran
                 kept.append(Tile(tile.q, tile.k, part.contiguous()))
         out.append(kept)
     return out
-
-
-def computed_pairs(blocks: list) -> float:
-    """The query-key pairs a rank's tiles compute, over every source (a causal square: half)."""
-    return sum(tile.pairs for entry in blocks for tile in tiles_of(entry) if tile.q != ALL)

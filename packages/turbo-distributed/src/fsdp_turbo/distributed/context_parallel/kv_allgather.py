@@ -22,15 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp_turbo.distributed.context_parallel.all_to_all import gather_chunks
 from fsdp_turbo.distributed.context_parallel.blocks import tiles_of
 from fsdp_turbo.distributed.context_parallel.ring_kernels import attend_tiles, start_partials, tile_grads
 from fsdp_turbo.distributed.context_parallel.ring_math import sink_grad
-
-
-def _gather(chunk: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
-    parts = [torch.empty_like(chunk) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, chunk.contiguous(), group=group)
-    return parts
 
 
 class KVAllGatherAttention(torch.autograd.Function):
@@ -45,7 +40,7 @@ class KVAllGatherAttention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
                 scale: float, blocks: list, group: dist.ProcessGroup, entry_k: torch.Tensor | None = None,
                 entry_v: torch.Tensor | None = None, entry_mask: torch.Tensor | None = None) -> torch.Tensor:
-        keys, values = _gather(k, group), _gather(v, group)
+        keys, values = gather_chunks(k, group), gather_chunks(v, group)
         out, lse = start_partials(q, sinks)
         for source, entry in enumerate(blocks):
             attend_tiles(q, keys[source], values[source], scale, tiles_of(entry), out, lse)
@@ -58,7 +53,7 @@ class KVAllGatherAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         q, k, v, out, lse, sinks, entry_k, entry_v = ctx.saved_tensors
-        keys, values = _gather(k, ctx.group), _gather(v, ctx.group)
+        keys, values = gather_chunks(k, ctx.group), gather_chunks(v, ctx.group)
         grad_q = torch.zeros_like(q)
         grads = [tile_grads(q, keys[source], values[source], ctx.scale, tiles_of(entry), out, lse, grad_out, grad_q)
                  for source, entry in enumerate(ctx.blocks)]

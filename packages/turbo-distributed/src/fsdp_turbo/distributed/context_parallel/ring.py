@@ -166,16 +166,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 
 def _block_map(state, context, device: torch.device, window: int | None, chunk: int | None) -> tuple:
-    """This rank's tiles per source, the ring's steps and each chunk's shipped rows for one
-    mask kind: built by the first layer of each kind in a forward, reused by the others."""
+    """This rank's tiles per source and, for the ring, its steps and each chunk's shipped rows,
+    for one mask kind: built by the first layer of each kind in a forward, reused by the others."""
     if (window, chunk) not in context.ring_tiles:
-        plain = context.documents is None and context.padding_mask is None
-        reach = chunk if plain else None  # chunks follow the positions only in plain rows
-        starts = context.document_starts() if context.documents is not None else None
-        context.ring_tiles[window, chunk] = (
-            ring_tiles(context, state.ring_rank, device, window, chunk, block=state.block_size),
-            ring_steps(context.ring_positions, window, reach, starts),
-            shipped_rows(context.ring_positions, window, reach, starts))
+        tiles = ring_tiles(context, state.ring_rank, device, window, chunk, block=state.block_size)
+        steps = shipped = None  # the KV all-gather gathers every chunk whole
+        if state.mode != "kv_allgather":
+            reach = chunk if context.documents is None and context.padding_mask is None else None
+            starts = context.document_starts() if context.documents is not None else None
+            steps = ring_steps(context.ring_positions, window, reach, starts)
+            shipped = shipped_rows(context.ring_positions, window, reach, starts)
+        context.ring_tiles[window, chunk] = tiles, steps, shipped
     return context.ring_tiles[window, chunk]
 
 

@@ -31,19 +31,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 
+from fsdp_turbo.distributed.context_parallel.all_to_all import gather_chunks
 from fsdp_turbo.distributed.context_parallel.context import CPState, ForwardContext
 
 
 def gather_sequence(local: torch.Tensor, state: CPState) -> torch.Tensor:
     """``[B, s, ...]`` chunks of every Ulysses rank, in sequence order (no gradient): the ring or
     KV all-gather member's tokens (pure Ulysses: the whole sequence)."""
-    parts = [torch.empty_like(local) for _ in range(state.ulysses_size)]
-    dist.all_gather(parts, local.contiguous(), group=state.ulysses_group)
-    return torch.cat(parts, dim=1)
+    return torch.cat(gather_chunks(local, state.ulysses_group), dim=1)
 
 
 def gather_whole(local: torch.Tensor, state: CPState, *, autograd: bool = False) -> torch.Tensor:
@@ -53,9 +51,7 @@ def gather_whole(local: torch.Tensor, state: CPState, *, autograd: bool = False)
     if autograd:
         whole = funcol.all_gather_tensor_autograd(local.contiguous(), 1, state.group)
     else:
-        parts = [torch.empty_like(local) for _ in range(state.size)]
-        dist.all_gather(parts, local.contiguous(), group=state.group)
-        whole = torch.cat(parts, dim=1)
+        whole = torch.cat(gather_chunks(local, state.group), dim=1)
     order = state.current.sequence_order if state.current is not None else None
     return whole if order is None else whole[:, order.to(whole.device)]
 
