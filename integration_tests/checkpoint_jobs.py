@@ -27,6 +27,9 @@ LAYOUTS = {
     "fsdp4, ep2 mc2": {"fully_shard_parallel_size": 4, "expert_parallel_size": 2, "ep_plan": {"dispatcher": "mc2"}},
     "cp2 x fsdp2": {"fully_shard_parallel_size": 2, "context_parallel_size": 2},
     "fsdp4 + mxfp8": {"fully_shard_parallel_size": 4, "quantization_plan": {"quant_format": "E4M3", "block_size": 32}},
+    # MX Linears whose FSDP shards (64 and 128 rows over 2) are whole blocks gather MX bytes
+    "hsdp 2x2 + mxfp8, 8-bit gathers": {"data_parallel_size": 2, "quantization_plan": {
+        "quant_format": "E4M3", "block_size": 32, "low_precision_all_gather": True}},
     "fsdp4, ep2 x efsdp2 + mxfp8": {"fully_shard_parallel_size": 4, "expert_parallel_size": 2, "ep_plan": {},
                             "quantization_plan": {"quant_format": "E4M3", "block_size": 32}},
     # FSDP x TP x EP, MXFP8, selective recompute, chunked loss, both swaps (forced), compile

@@ -149,6 +149,73 @@ def mx_composed_run(kind: str, extra: dict, record_params: bool = False):
     return composed_run(kind, {"quantization_plan": MX_PLAN, **extra}, record_params=record_params)
 
 
+# low_precision_all_gather: Linears whose FSDP shards are whole blocks at 4 and 2 shard ranks
+GATHER_MODEL = {"hidden_size": 256, "intermediate_size": 512, "num_key_value_heads": 4, "head_dim": 64}
+GATHER_BATCHES = make_token_batches(vocab_size=256, global_batch=4, seq_len=32, steps=3)
+GATHER_LAYOUTS = {
+    "fsdp4": {"fully_shard_parallel_size": 4},
+    "hsdp 2x2": {"data_parallel_size": 2, "fully_shard_parallel_size": 2},
+    "fsdp4 + recompute + chunked loss": {"fully_shard_parallel_size": 4, "recompute": True, "chunk_loss": True,
+                                         "chunk_loss_plan": {"chunk_size": 24}},
+    "fsdp2 x tp2 sp": FSDP_TP,
+}
+
+
+def mx_gather_run(layout: str):
+    """MX training at ``layout``, FSDP gathering fp32 weights and then MX bytes
+    (``low_precision_all_gather``, both modes): {mode: (record, plan rows about gathers)}."""
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    out = {}
+    for mode in (None, "on-demand", "all"):
+        plan = {**MX_PLAN, "ignored_modules": []}
+        if mode is not None:
+            plan.update(low_precision_all_gather=True, low_precision_all_gather_mode=mode)
+        model = FSDPTurbo({**GATHER_LAYOUTS[layout], "quantization_plan": plan},
+                          tiny_hf_causal_lm("llama", **GATHER_MODEL))
+        state = model.parallel_state
+        local = [shard_rows(b, state.dp_rank, state.dp_size) for b in GATHER_BATCHES]
+        rows = {row.label: row.names for plan in model.fsdp_turbo_plans.values() for row in plan.describe()
+                if "low_precision_all_gather" in row.label}
+        out[mode] = (train_steps(model, local, loss_fn=labelled_loss), list(rows.items()))
+    return out
+
+
+def mx_gather_resume_run(folder: str):
+    """FSDP=4, MX weights gathered as MX bytes: a step, a training checkpoint (written in the
+    background), a step; then a model of other weights loads the checkpoint and takes the same
+    second step. Returns both second losses and the loaded model's weight type."""
+    from fsdp_turbo.checkpoint import TrainingCheckpointer, load_training_checkpoint
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    config = {**GATHER_LAYOUTS["fsdp4"], "quantization_plan": {**MX_PLAN, "ignored_modules": [],
+                                                                 "low_precision_all_gather": True}}
+
+    def made(seed):
+        model = FSDPTurbo(config, tiny_hf_causal_lm("llama", seed=seed, **GATHER_MODEL))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(model, optimizer, batch):
+        loss = labelled_loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return float(loss.detach())
+
+    model, optimizer = made(0)
+    state = model.parallel_state
+    first, second = (shard_rows(b, state.dp_rank, state.dp_size) for b in GATHER_BATCHES[:2])
+    step(model, optimizer, first)
+    checkpointer = TrainingCheckpointer(async_save=True)
+    checkpointer.save(f"{folder}/step1", model, optimizer, meta={"step": 1})
+    continued = step(model, optimizer, second)
+    checkpointer.wait()
+    loaded, loaded_optimizer = made(3)
+    load_training_checkpoint(f"{folder}/step1", loaded, loaded_optimizer)
+    weight = type(loaded.get_submodule("model.layers.0.mlp.up_proj").weight.to_local()).__name__
+    return continued, step(loaded, loaded_optimizer, second), weight
+
+
 def fsdp_head_unit_run(kind: str = "llama"):
     """FSDP=4 with the chunked head as its own unit (its weight is never re-gathered in backward)."""
     from fsdp_turbo.fsdp_turbo import FSDPTurbo

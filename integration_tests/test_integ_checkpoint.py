@@ -41,7 +41,7 @@ ROUND_TRIPS = [
     for layout in ("fsdp4", "hsdp 2x2", "fsdp2 x tp2", "fsdp4, ep2 x efsdp2", "cp2 x fsdp2", "fsdp4 + mxfp8")
     for kind in MODELS
     if (layout != "fsdp4, ep2 x efsdp2" or kind in MOE) and (layout != "fsdp2 x tp2" or kind != "deepseek_v3")
-] + [("qwen3_moe", "fsdp4, ep2 x efsdp2 + mxfp8", {})]
+] + [("qwen3_moe", "fsdp4, ep2 x efsdp2 + mxfp8", {}), ("llama", "hsdp 2x2 + mxfp8, 8-bit gathers", {})]
 
 
 def _layout_of(directory):
@@ -104,6 +104,7 @@ def test_fsdp4_reads_a_quarter(tmp_path):
 
 @pytest.mark.parametrize("kind,layout", [("qwen3_moe", "fsdp4, ep2 x efsdp2"), ("qwen3_moe", "fsdp4, ep2 eager"),
                                          ("qwen3_moe", "fsdp4, ep2 mc2"), ("llama", "cp2 x fsdp2"),
+                                         ("llama", "hsdp 2x2 + mxfp8, 8-bit gathers"),
                                          ("qwen3_moe", "every feature")])
 def test_training_from_a_load_matches_training_the_whole_model(kind, layout, tmp_path):
     """The same weights and layout either way, so the same numbers to the last bit."""

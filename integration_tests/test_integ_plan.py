@@ -193,3 +193,32 @@ def test_attention_lines_print_what_the_plans_say_of_each_kind():
     assert ("    cp_plan (sliding window): layers [0]: masked by their window, unseen tiles skipped, cut ones computed "
             "in blocks of 64 query rows") in ring
     assert "    cp_plan (per-head tensors): joined once per row" in ring
+
+
+def test_plan_counts_all_gather_bytes_in_what_each_gather_moves():
+    """FSDP=2: every parameter's other shard (padded as FSDP pads dim 0), twice a step (once for
+    the root's, which it keeps from forward to backward: embedding, final norm, head), in fp32,
+    in ``param_dtype`` (bf16), or as MX bytes for the MX Linears whose shards are whole blocks
+    (``low_precision_all_gather``: q_proj and o_proj here, 64 output rows; k/v_proj's 32 rows
+    split into 16 are not, and stay fp32), 1 + 1/32 bytes per element."""
+    import math
+
+    from fsdp_turbo.cli.model import build_model
+
+    mx = {"quant_format": "E4M3", "block_size": 32}
+    turbos = {"fp32": {"quantization_plan": mx},
+              "bf16": {"quantization_plan": mx, "fsdp_plan": {"param_dtype": "bf16"}},
+              "mx bytes": {"quantization_plan": {**mx, "low_precision_all_gather": True}}}
+    job = yaml.safe_load(DEMO.read_text())
+    planned = {name: make_plan(JobConfig.from_dict({**job, "turbo": {"fully_shard_parallel_size": 2, **turbo}}), 2)
+               for name, turbo in turbos.items()}
+    # other shard's elements x gathers a step, per parameter
+    moved = {name: math.ceil(p.shape[0] / 2) * math.prod(p.shape[1:]) * (2 if name.startswith("model.layers.") else 1)
+             for name, p in build_model(JobConfig.from_dict(job).model).named_parameters()}
+    gathered = {name for name in moved if name.endswith((".q_proj.weight", ".o_proj.weight"))}
+    expected = {"fp32": sum(n * 4 for n in moved.values()), "bf16": sum(n * 2 for n in moved.values()),
+                "mx bytes": sum(n * ((1 + 1 / 32) if name in gathered else 4) for name, n in moved.items())}
+    for name, (lines, memory) in planned.items():
+        assert memory.gathered == math.ceil(expected[name]), name
+        assert f"FSDP all-gathers per rank: {memory.gathered / 2**20:.2f} MiB received per step" in "\n".join(lines)
+    assert any("low_precision_all_gather (MX bytes" in line for line in planned["mx bytes"][0])

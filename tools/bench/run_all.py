@@ -37,6 +37,7 @@ BENCHES = {
     "peer_torchtitan": [],
     "lora": [],
     "checkpoint_save": [],
+    "mx_all_gather": [],
 }
 
 

@@ -111,6 +111,11 @@ BAD_FIELDS = [
     (dict(quantization_plan={"quant_format": 8}), "quantization_plan.quant_format"),
     (dict(quantization_plan={"block_size": 0}), "quantization_plan.block_size"),
     (dict(quantization_plan={"scale_mode": "ceil"}), "quantization_plan.scale_mode"),
+    (dict(quantization_plan={"low_precision_all_gather": "yes"}), "quantization_plan.low_precision_all_gather"),
+    (dict(quantization_plan={"low_precision_all_gather_mode": "always"}),
+     "quantization_plan.low_precision_all_gather_mode"),
+    (dict(compile=True, quantization_plan={"low_precision_all_gather": True}),
+     "quantization_plan.low_precision_all_gather"),
     (dict(device_type="tpu"), "device_type"),
     (dict(unknown_field=1), "unknown_field"),
 ]

@@ -75,6 +75,7 @@ __all__ = [
 ]
 
 SCALE_MODES = ("floor", "rceil")
+LOW_PRECISION_GATHER_MODES = ("on-demand", "all")
 FSDP_IMPLEMENTATIONS = ("native",)  # torch's fully_shard; the upstream's fine-grained FSDP is not here
 RECOMPUTE_POLICIES = ("full", "selective")
 
@@ -476,6 +477,21 @@ class QuantizeConfig(ConfigSection):
     (``target_parameters``) over frozen MX experts; a Linear whose rowwise TP shard is not whole
     blocks stays high precision (an error when ``apply_modules`` picks it)."""
 
+    low_precision_all_gather: bool = False
+    """FSDP all-gathers each MX-trained Linear weight as the MX bytes its GEMMs read (one code per
+    element and one E8M0 scale per block, ``1 + 1/block_size`` bytes per element, against 2 for bf16
+    and 4 for fp32) instead of the weight itself. Each rank quantizes its own fp32 shard, so training
+    is unchanged. Fused MoE experts' weights, and a weight whose FSDP shard (of what tensor parallel
+    leaves each rank) is not whole blocks along ``out_features``, are gathered in high precision
+    (named in one warning). Not with ``compile``."""
+
+    low_precision_all_gather_mode: str = "on-demand"
+    """Which MX orientations a gather carries. ``"on-demand"``: the forward's gather the forward
+    GEMM's blocks, the backward's gather the input-gradient GEMM's; where a forward runs again in
+    the backward (recompute) or FSDP keeps a weight from forward to backward (the root), the missing
+    orientation is gathered when a GEMM needs it. ``"all"``: every gather carries both (twice the
+    bytes, no extra collectives)."""
+
     def __post_init__(self) -> None:
         p = self._prefix
         _set(self, "quant_format", check_published_choice(self.quant_format, f"{p}.quant_format", upper=True))
@@ -487,6 +503,9 @@ class QuantizeConfig(ConfigSection):
         if self.emax_elem is not None:
             check_int(self.emax_elem, f"{p}.emax_elem")
         check_bool(self.store_frozen_weights, f"{p}.store_frozen_weights")
+        check_bool(self.low_precision_all_gather, f"{p}.low_precision_all_gather")
+        _set(self, "low_precision_all_gather_mode", check_choice(
+            self.low_precision_all_gather_mode, f"{p}.low_precision_all_gather_mode", LOW_PRECISION_GATHER_MODES))
 
 
 @moved_fields({"swap_activation_force": "swap_force", "swap_optimizer_force": "swap_force"})
@@ -627,6 +646,11 @@ class FSDPTurboConfig(ConfigSection):
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ConfigError("compile_backend", self.compile_backend,
                               "name a torch.compile backend, e.g. 'inductor' or 'aot_eager'")
+        quant = self.quantization_plan
+        if quant is not None and quant.low_precision_all_gather and self.compile:
+            raise ConfigError("quantization_plan.low_precision_all_gather", True,
+                              "set it to false under compile, or turn compile off",
+                              reason="compiled blocks cannot take weights gathered as MX bytes yet")
         if self.device_type is not None:
             _set(self, "device_type", check_choice(self.device_type, "device_type", ("cpu", "cuda", "npu")))
         _set(self, "module_patches", check_sections(

@@ -125,6 +125,9 @@ def make_plan(job: JobConfig, world_size: int | None = None, *,
         f"  activations       {memory.activations / MIB:10.2f} MiB per micro-batch "
         f"({job.run.micro_batch} x {job.data.seq_len} tokens{split})",
     ]
+    if memory.gathered:
+        lines.append(f"FSDP all-gathers per rank: {memory.gathered / MIB:.2f} MiB received per step "
+                     "(forward and backward)")
     return lines, memory
 
 

@@ -41,6 +41,10 @@ class ParamLayout:
     shard_dim: int = 0
     trainable: bool = True  # frozen (e.g. a LoRA model's base): no gradient, no optimizer state
     bytes_per_element: float = FP32  # as stored (QLoRA-MX's packed frozen weights: 1 + 1/block)
+    # what one FSDP all-gather moves per element: param_dtype's size, or MX bytes
+    # (quantization_plan.low_precision_all_gather: 1 + 1/block per orientation)
+    gather_bytes_per_element: float | None = None
+    gathers: int = 2  # FSDP all-gathers a step: forward and again in backward (1 where it keeps them)
 
     def numel(self) -> int:
         if not self.shape:
@@ -57,6 +61,7 @@ class MemoryEstimate:
     optimizer: int
     activations: int
     frozen: int = 0  # of ``parameters``, the bytes of frozen ones
+    gathered: int = 0  # bytes this rank receives in FSDP all-gathers per step (forward and backward)
 
     @property
     def model_state(self) -> int:
@@ -103,4 +108,11 @@ class MemoryModel:
         activations = (kept + 2 * logit_rows * self.vocab // self.vocab_shards) * FP32
         frozen = math.ceil(sum(layout.numel() * layout.bytes_per_element for layout in self.params.values()
                                if not layout.trainable))
-        return MemoryEstimate(parameters, gradients, optimizer, activations, frozen)
+        return MemoryEstimate(parameters, gradients, optimizer, activations, frozen, self.gathered_per_step())
+
+    def gathered_per_step(self) -> int:
+        """Bytes one rank receives from FSDP's all-gathers in a step: every sharded parameter's
+        other shards, in what its gather moves, once per gather (``ParamLayout.gathers``)."""
+        return math.ceil(sum(layout.gathers * layout.numel() * (layout.shards - 1) * layout.gather_bytes_per_element
+                             for layout in self.params.values()
+                             if layout.shards > 1 and layout.gather_bytes_per_element))

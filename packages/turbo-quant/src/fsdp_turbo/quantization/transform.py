@@ -13,6 +13,7 @@ from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, SplitsParameters, Stage, Transform
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 from fsdp_turbo.quantization.converter import Conversion, apply_conversions, plan_conversion
+from fsdp_turbo.quantization.gather_plan import apply_gathers, plan_gathers
 from fsdp_turbo.quantization.training.recipe import MXRecipe
 
 _log = get_logger(__name__)
@@ -24,13 +25,17 @@ class QuantizePlan(FeaturePlan):
     conversions: tuple[Conversion, ...]
     recipe: MXRecipe
     skipped: tuple[tuple[str, str], ...] = ()  # (module, why) a converter handles but leaves out
+    gathered: tuple[str, ...] = ()  # low_precision_all_gather: modules whose weight FSDP gathers as MX bytes
+    gathered_high: tuple[tuple[str, str], ...] = ()  # (module, why) converted, but gathered in high precision
+    gather_both: bool = False  # low_precision_all_gather_mode "all": each gather carries both orientations
 
     def describe(self) -> tuple[PlanRow, ...]:
         rows = [PlanRow("quantization_plan", tuple(f"{c.name} ({c.converter})" for c in self.conversions))]
-        by_reason: dict[str, list[str]] = {}
-        for name, why in self.skipped:
-            by_reason.setdefault(why, []).append(name)
-        rows += [PlanRow(f"quantization_plan (left out: {why})", tuple(names)) for why, names in by_reason.items()]
+        rows += _rows_by_reason("quantization_plan (left out: {})", self.skipped)
+        if self.gathered:
+            mode = "both orientations per gather" if self.gather_both else "one orientation per gather"
+            rows.append(PlanRow(f"quantization_plan.low_precision_all_gather (MX bytes, {mode})", self.gathered))
+        rows += _rows_by_reason("quantization_plan.low_precision_all_gather (high precision: {})", self.gathered_high)
         return tuple(rows)
 
     def estimate(self, memory: MemoryModel) -> None:
@@ -42,6 +47,15 @@ class QuantizePlan(FeaturePlan):
             module = name.rpartition(".")[0]
             if module in frozen and not layout.trainable and len(layout.shape) >= 2:
                 layout.bytes_per_element = 1 + 1 / self.recipe.block_size
+            if module in self.gathered and name.endswith(".weight"):
+                layout.gather_bytes_per_element = (1 + 1 / self.recipe.block_size) * (2 if self.gather_both else 1)
+
+
+def _rows_by_reason(label: str, named: tuple[tuple[str, str], ...]) -> list[PlanRow]:
+    by_reason: dict[str, list[str]] = {}
+    for name, why in named:
+        by_reason.setdefault(why, []).append(name)
+    return [PlanRow(label.format(why), tuple(names)) for why, names in by_reason.items()]
 
 
 def tensor_parallel_unsuitable(model: nn.Module, tp: SplitsParameters, block: int, *,
@@ -87,7 +101,14 @@ class QuantizeTransform(Transform):
                                                  frozen_weights=settings.store_frozen_weights)
                       if tp is not None else {})
         conversions, skipped = plan_conversion(model, settings, facts, unsuitable=unsuitable)
-        return QuantizePlan(tuple(conversions), MXRecipe.from_config(settings), tuple(skipped))
+        recipe = MXRecipe.from_config(settings)
+        gathered, gathered_high = (), ()
+        if settings.low_precision_all_gather:
+            # FSDP shards a dense weight over fsdp x cp (the fsdp mesh's shard dim)
+            shards = parallel_state.fsdp_size * parallel_state.cp_size
+            gathered, gathered_high = plan_gathers(model, conversions, recipe, shards, tp)
+        return QuantizePlan(tuple(conversions), recipe, tuple(skipped), gathered, gathered_high,
+                            settings.low_precision_all_gather_mode == "all")
 
     def apply(self, model: nn.Module, plan: QuantizePlan, parallel_state: ParallelState) -> nn.Module:
         apply_conversions(model, plan.conversions, plan.recipe)
@@ -97,4 +118,9 @@ class QuantizeTransform(Transform):
         if plan.skipped:
             _log.warning(f"quantize: left {len(plan.skipped)} module(s) in high precision: "
                          + "; ".join(f"{name} ({why})" for name, why in plan.skipped))
+        apply_gathers(model, plan.gathered, recipe, both=plan.gather_both)
+        if plan.gathered_high:
+            _log.warning(f"quantization_plan.low_precision_all_gather: FSDP gathers {len(plan.gathered_high)} MX "
+                         "module(s) in high precision: "
+                         + "; ".join(f"{name} ({why})" for name, why in plan.gathered_high))
         return model

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.memory_estimate import FP32
 from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, Stage, Transform
@@ -62,6 +64,9 @@ class FSDPPlan(FeaturePlan):
         return (PlanRow("fsdp_plan.apply_modules", units), PlanRow("fsdp_plan.ignored_modules", self.ignored), *kept)
 
     def estimate(self, memory: MemoryModel) -> None:
+        dtype = self.settings.param_dtype
+        gather_bytes = dtype.itemsize if isinstance(dtype, torch.dtype) else FP32
+        units = tuple(member for unit in self.units for member in self.members(unit))
         for name, layout in memory.params.items():
             if _inside(name, self.experts):
                 layout.shards = self.expert_shards
@@ -69,6 +74,17 @@ class FSDPPlan(FeaturePlan):
                     layout.shard_dim = 1  # too few local experts: Shard(1), see expert_placement
             elif not _inside(name, self.ignored):
                 layout.shards = self.shards
+            if layout.gather_bytes_per_element is None:  # MX bytes where the quantize plan set them
+                layout.gather_bytes_per_element = gather_bytes
+            layout.gathers = self._gathers(name, units)
+
+    def _gathers(self, parameter: str, units: tuple[str, ...]) -> int:
+        """All-gathers of ``parameter`` a step: again in backward where its unit reshards after
+        forward (the root, a kept unit and ``reshard_after_forward: false`` keep it)."""
+        if _inside(parameter, self.experts) or _inside(parameter, units):
+            kept = _inside(parameter, self.kept)
+            return 2 if reshard_after_forward(self.settings, root=False) and not kept else 1
+        return 2 if reshard_after_forward(self.settings, root=True) else 1
 
 
 def _prefetch(units: tuple[str, ...], experts: tuple[str, ...], settings: FSDPPlanConfig,

@@ -15,6 +15,7 @@ import torch
 
 from fsdp_turbo.core.ops import call_op, register_op
 from fsdp_turbo.quantization.training.fake_quant import mx_fake_quantize, pad_rows
+from fsdp_turbo.quantization.training.mx_gather import mx_weight
 from fsdp_turbo.quantization.training.recipe import MXRecipe
 
 
@@ -28,7 +29,7 @@ class _MXLinearEmulated(torch.autograd.Function):
         ctx.save_for_backward(x2d, weight)
         ctx.recipe = recipe
         xq = mx_fake_quantize(x2d, recipe, axis=1)
-        wq = mx_fake_quantize(weight, recipe, axis=1)
+        wq = mx_weight(weight, recipe, axis=1, backward=False)
         return _mm(xq, wq.t()).to(x2d.dtype)
 
     @staticmethod
@@ -39,7 +40,7 @@ class _MXLinearEmulated(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             gq = mx_fake_quantize(grad_out, recipe, axis=1, gradient=True)
-            wq = mx_fake_quantize(weight, recipe, axis=0)
+            wq = mx_weight(weight, recipe, axis=0, backward=True)
             grad_x = _mm(gq, wq).to(x2d.dtype)
         if ctx.needs_input_grad[1]:
             block = recipe.block_size
