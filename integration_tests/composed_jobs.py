@@ -152,12 +152,17 @@ def mx_composed_run(kind: str, extra: dict, record_params: bool = False):
 # low_precision_all_gather: Linears whose FSDP shards are whole blocks at 4 and 2 shard ranks
 GATHER_MODEL = {"hidden_size": 256, "intermediate_size": 512, "num_key_value_heads": 4, "head_dim": 64}
 GATHER_BATCHES = make_token_batches(vocab_size=256, global_batch=4, seq_len=32, steps=3)
-GATHER_LAYOUTS = {
-    "fsdp4": {"fully_shard_parallel_size": 4},
-    "hsdp 2x2": {"data_parallel_size": 2, "fully_shard_parallel_size": 2},
-    "fsdp4 + recompute + chunked loss": {"fully_shard_parallel_size": 4, "recompute": True, "chunk_loss": True,
-                                         "chunk_loss_plan": {"chunk_size": 24}},
-    "fsdp2 x tp2 sp": FSDP_TP,
+GATHER_LAYOUTS = {  # name: (model, its config overrides, layout)
+    "fsdp4": ("llama", GATHER_MODEL, {"fully_shard_parallel_size": 4}),
+    "hsdp 2x2": ("llama", GATHER_MODEL, {"data_parallel_size": 2, "fully_shard_parallel_size": 2}),
+    "fsdp4 + recompute + chunked loss": ("llama", GATHER_MODEL, {
+        "fully_shard_parallel_size": 4, "recompute": True, "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 24}}),
+    "fsdp2 x tp2 sp": ("llama", GATHER_MODEL, FSDP_TP),
+    # fused experts: whole experts per FSDP shard (2 of 8 a rank), and gpt-oss's transposed,
+    # biased experts under expert parallel with expert FSDP (4 a rank over 2 shard ranks)
+    "qwen3_moe fsdp4": ("qwen3_moe", {}, {"fully_shard_parallel_size": 4}),
+    "gpt_oss ep2 x efsdp2 fused": ("gpt_oss", {}, {"fully_shard_parallel_size": 4, "expert_parallel_size": 2,
+                                                    "ep_plan": {"dispatcher": "fused"}}),
 }
 
 
@@ -166,13 +171,13 @@ def mx_gather_run(layout: str):
     (``low_precision_all_gather``, both modes): {mode: (record, plan rows about gathers)}."""
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
+    kind, model_kwargs, config = GATHER_LAYOUTS[layout]
     out = {}
     for mode in (None, "on-demand", "all"):
         plan = {**MX_PLAN, "ignored_modules": []}
         if mode is not None:
             plan.update(low_precision_all_gather=True, low_precision_all_gather_mode=mode)
-        model = FSDPTurbo({**GATHER_LAYOUTS[layout], "quantization_plan": plan},
-                          tiny_hf_causal_lm("llama", **GATHER_MODEL))
+        model = FSDPTurbo({**config, "quantization_plan": plan}, tiny_hf_causal_lm(kind, **model_kwargs))
         state = model.parallel_state
         local = [shard_rows(b, state.dp_rank, state.dp_size) for b in GATHER_BATCHES]
         rows = {row.label: row.names for plan in model.fsdp_turbo_plans.values() for row in plan.describe()
@@ -188,7 +193,7 @@ def mx_gather_resume_run(folder: str):
     from fsdp_turbo.checkpoint import TrainingCheckpointer, load_training_checkpoint
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
-    config = {**GATHER_LAYOUTS["fsdp4"], "quantization_plan": {**MX_PLAN, "ignored_modules": [],
+    config = {**GATHER_LAYOUTS["fsdp4"][2], "quantization_plan": {**MX_PLAN, "ignored_modules": [],
                                                                  "low_precision_all_gather": True}}
 
     def made(seed):

@@ -198,9 +198,9 @@ def test_attention_lines_print_what_the_plans_say_of_each_kind():
 def test_plan_counts_all_gather_bytes_in_what_each_gather_moves():
     """FSDP=2: every parameter's other shard (padded as FSDP pads dim 0), twice a step (once for
     the root's, which it keeps from forward to backward: embedding, final norm, head), in fp32,
-    in ``param_dtype`` (bf16), or as MX bytes for the MX Linears whose shards are whole blocks
-    (``low_precision_all_gather``: q_proj and o_proj here, 64 output rows; k/v_proj's 32 rows
-    split into 16 are not, and stay fp32), 1 + 1/32 bytes per element."""
+    in ``param_dtype`` (bf16), or as MX bytes (``low_precision_all_gather``, 1 + 1/32 bytes per
+    element) for the MX weights whose shards are whole blocks: q_proj and o_proj (64 output rows;
+    k/v_proj's 32 rows split into 16 are not, and stay fp32) and the fused experts (4 of 8 a rank)."""
     import math
 
     from fsdp_turbo.cli.model import build_model
@@ -215,7 +215,9 @@ def test_plan_counts_all_gather_bytes_in_what_each_gather_moves():
     # other shard's elements x gathers a step, per parameter
     moved = {name: math.ceil(p.shape[0] / 2) * math.prod(p.shape[1:]) * (2 if name.startswith("model.layers.") else 1)
              for name, p in build_model(JobConfig.from_dict(job).model).named_parameters()}
-    gathered = {name for name in moved if name.endswith((".q_proj.weight", ".o_proj.weight"))}
+    gathered = {name for name in moved if name.endswith((".q_proj.weight", ".o_proj.weight", ".experts.gate_up_proj",
+                                                        ".experts.down_proj"))}
+    assert len(gathered) == 8
     expected = {"fp32": sum(n * 4 for n in moved.values()), "bf16": sum(n * 2 for n in moved.values()),
                 "mx bytes": sum(n * ((1 + 1 / 32) if name in gathered else 4) for name, n in moved.items())}
     for name, (lines, memory) in planned.items():

@@ -100,7 +100,7 @@ def gather_variants_run():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from fsdp_turbo.quantization.gather_plan import apply_gathers
+    from fsdp_turbo.quantization.gather_plan import GatheredWeight, apply_gathers
     from fsdp_turbo.quantization.training import MXLinear, MXRecipe
     from fsdp_turbo.quantization.training.mx_gather import MXShardedWeight
 
@@ -111,8 +111,8 @@ def gather_variants_run():
         model = tiny_hf_causal_lm("llama", seed=0, **GATHER_MODEL)
         convert_model(model, PLAN)
         if mx_bytes:
-            linears = [n for n, m in model.named_modules() if isinstance(m, MXLinear)]
-            apply_gathers(model, linears, MXRecipe.from_config(PLAN), both=both)
+            weights = [GatheredWeight(f"{n}.weight", 1, 0) for n, m in model.named_modules() if isinstance(m, MXLinear)]
+            apply_gathers(model, weights, MXRecipe.from_config(PLAN), both=both)
         layers = model.model.layers
         if recompute:
             for i, layer in enumerate(layers):

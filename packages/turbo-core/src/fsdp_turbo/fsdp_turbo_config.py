@@ -478,12 +478,13 @@ class QuantizeConfig(ConfigSection):
     blocks stays high precision (an error when ``apply_modules`` picks it)."""
 
     low_precision_all_gather: bool = False
-    """FSDP all-gathers each MX-trained Linear weight as the MX bytes its GEMMs read (one code per
-    element and one E8M0 scale per block, ``1 + 1/block_size`` bytes per element, against 2 for bf16
-    and 4 for fp32) instead of the weight itself. Each rank quantizes its own fp32 shard, so training
-    is unchanged. Fused MoE experts' weights, and a weight whose FSDP shard (of what tensor parallel
-    leaves each rank) is not whole blocks along ``out_features``, are gathered in high precision
-    (named in one warning). Not with ``compile``."""
+    """FSDP all-gathers each MX-trained weight (Linear layers and fused MoE experts) as the MX bytes
+    its GEMMs read (one code per element and one E8M0 scale per block, ``1 + 1/block_size`` bytes per
+    element, against 2 for bf16 and 4 for fp32) instead of the weight itself. Each rank quantizes its
+    own fp32 shard, so training is unchanged. A Linear whose FSDP shard (of what tensor parallel
+    leaves each rank) is not whole blocks along ``out_features``, and experts that expert FSDP splits
+    within an expert (fewer local experts than shard ranks), are gathered in high precision (named in
+    one warning). Not with ``compile``."""
 
     low_precision_all_gather_mode: str = "on-demand"
     """Which MX orientations a gather carries. ``"on-demand"``: the forward's gather the forward

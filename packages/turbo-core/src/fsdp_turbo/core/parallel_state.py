@@ -101,6 +101,12 @@ def resolve_parallel_sizes(
                          tensor_parallel_size, edp, efsdp, ep)
 
 
+def expert_shard_dim(local_experts: int, efsdp: int) -> int:
+    """The dim expert FSDP shards a rank's experts on: 0 (whole experts per rank) when there are
+    at least as many as shard ranks, else 1 (each expert's rows split)."""
+    return 0 if local_experts >= efsdp else 1
+
+
 def _coordinates(rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     coords = []
     for size in reversed(shape):

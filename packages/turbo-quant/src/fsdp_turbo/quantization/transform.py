@@ -13,7 +13,7 @@ from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, SplitsParameters, Stage, Transform
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 from fsdp_turbo.quantization.converter import Conversion, apply_conversions, plan_conversion
-from fsdp_turbo.quantization.gather_plan import apply_gathers, plan_gathers
+from fsdp_turbo.quantization.gather_plan import GatheredWeight, Sharding, apply_gathers, plan_gathers
 from fsdp_turbo.quantization.training.recipe import MXRecipe
 
 _log = get_logger(__name__)
@@ -25,7 +25,7 @@ class QuantizePlan(FeaturePlan):
     conversions: tuple[Conversion, ...]
     recipe: MXRecipe
     skipped: tuple[tuple[str, str], ...] = ()  # (module, why) a converter handles but leaves out
-    gathered: tuple[str, ...] = ()  # low_precision_all_gather: modules whose weight FSDP gathers as MX bytes
+    gathered: tuple[GatheredWeight, ...] = ()  # low_precision_all_gather: weights FSDP gathers as MX bytes
     gathered_high: tuple[tuple[str, str], ...] = ()  # (module, why) converted, but gathered in high precision
     gather_both: bool = False  # low_precision_all_gather_mode "all": each gather carries both orientations
 
@@ -34,7 +34,8 @@ class QuantizePlan(FeaturePlan):
         rows += _rows_by_reason("quantization_plan (left out: {})", self.skipped)
         if self.gathered:
             mode = "both orientations per gather" if self.gather_both else "one orientation per gather"
-            rows.append(PlanRow(f"quantization_plan.low_precision_all_gather (MX bytes, {mode})", self.gathered))
+            modules = tuple(dict.fromkeys(w.parameter.rpartition(".")[0] for w in self.gathered))
+            rows.append(PlanRow(f"quantization_plan.low_precision_all_gather (MX bytes, {mode})", modules))
         rows += _rows_by_reason("quantization_plan.low_precision_all_gather (high precision: {})", self.gathered_high)
         return tuple(rows)
 
@@ -43,11 +44,12 @@ class QuantizePlan(FeaturePlan):
         # MX bytes, one code per element and one E8M0 scale per block. (MX training keeps fp32
         # master weights: no change.)
         frozen = [c.name for c in self.conversions if c.converter.startswith(FROZEN_PREFIX)]
+        gathered = {w.parameter for w in self.gathered}
         for name, layout in memory.params.items():
             module = name.rpartition(".")[0]
             if module in frozen and not layout.trainable and len(layout.shape) >= 2:
                 layout.bytes_per_element = 1 + 1 / self.recipe.block_size
-            if module in self.gathered and name.endswith(".weight"):
+            if name in gathered:
                 layout.gather_bytes_per_element = (1 + 1 / self.recipe.block_size) * (2 if self.gather_both else 1)
 
 
@@ -104,9 +106,10 @@ class QuantizeTransform(Transform):
         recipe = MXRecipe.from_config(settings)
         gathered, gathered_high = (), ()
         if settings.low_precision_all_gather:
-            # FSDP shards a dense weight over fsdp x cp (the fsdp mesh's shard dim)
-            shards = parallel_state.fsdp_size * parallel_state.cp_size
-            gathered, gathered_high = plan_gathers(model, conversions, recipe, shards, tp)
+            # FSDP shards a dense weight over fsdp x cp (the fsdp mesh's shard dim), experts over efsdp
+            sharding = Sharding(parallel_state.fsdp_size * parallel_state.cp_size, parallel_state.efsdp_size,
+                                parallel_state.sizes.ep)
+            gathered, gathered_high = plan_gathers(model, conversions, recipe, sharding, tp)
         return QuantizePlan(tuple(conversions), recipe, tuple(skipped), gathered, gathered_high,
                             settings.low_precision_all_gather_mode == "all")
 

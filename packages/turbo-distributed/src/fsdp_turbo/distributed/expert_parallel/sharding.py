@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdp_turbo.core.parallel_state import ParallelState
+from fsdp_turbo.core.parallel_state import ParallelState, expert_shard_dim
 
 _HOOKS = "ep_gradient_division"  # on an expert container: the handles of its division hooks
 
@@ -32,7 +32,7 @@ def expert_fsdp_mesh(state: ParallelState):
 
 def expert_placement(num_local_experts: int, efsdp: int) -> Callable[[nn.Parameter], Shard]:
     """Shard(0) (whole experts per rank) when there are enough local experts, else Shard(1)."""
-    placement = Shard(0) if num_local_experts >= efsdp else Shard(1)
+    placement = Shard(expert_shard_dim(num_local_experts, efsdp))
     return lambda _param: placement
 
 

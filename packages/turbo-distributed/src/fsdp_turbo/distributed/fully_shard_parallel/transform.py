@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.memory_estimate import FP32
 from fsdp_turbo.core.model_facts import ModelFacts
-from fsdp_turbo.core.parallel_state import ParallelState
+from fsdp_turbo.core.parallel_state import ParallelState, expert_shard_dim
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, Stage, Transform
 from fsdp_turbo.distributed.expert_parallel.sharding import shard_experts
 from fsdp_turbo.distributed.fully_shard_parallel.hook_modules import gather_at_hook_modules
@@ -70,8 +70,8 @@ class FSDPPlan(FeaturePlan):
         for name, layout in memory.params.items():
             if _inside(name, self.experts):
                 layout.shards = self.expert_shards
-                if layout.shape and layout.shape[0] < layout.shards:
-                    layout.shard_dim = 1  # too few local experts: Shard(1), see expert_placement
+                if layout.shape:  # too few local experts: Shard(1), as expert_placement shards
+                    layout.shard_dim = expert_shard_dim(layout.shape[0], layout.shards)
             elif not _inside(name, self.ignored):
                 layout.shards = self.shards
             if layout.gather_bytes_per_element is None:  # MX bytes where the quantize plan set them

@@ -175,6 +175,7 @@ class _GatheredState:
     held: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def values(self, role: str, dtype: torch.dtype) -> torch.Tensor:
+        """``role``'s orientation of the whole weight, dequantized to ``dtype``."""
         if role not in self.held:
             self.held[role] = self._gather(role)
         codes, scales = self.held[role]
@@ -200,17 +201,28 @@ class _GatheredState:
 
 class MXGatheredWeight(torch.Tensor):
     """An unsharded MX-trained weight as FSDP gathered it: its shape and dtype, codes and scales
-    inside; the MX GEMMs read it through :func:`mx_weight`. Autograd gives it plain gradients."""
+    inside; the MX GEMMs read it through :func:`mx_weight`. Autograd gives it plain gradients.
+    ``transposed``: a view of the gathered weight with its last two dims swapped (fused experts
+    stored ``[E, K, N]``, which their GEMMs read as ``[E, N, K]``)."""
 
     _state: _GatheredState
+    _transposed: bool
 
     @staticmethod
-    def __new__(cls, state: _GatheredState, shape: torch.Size, dtype: torch.dtype) -> MXGatheredWeight:
+    def __new__(cls, state: _GatheredState, shape: torch.Size, dtype: torch.dtype,
+                transposed: bool = False) -> MXGatheredWeight:
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=state.source.device)
 
-    def __init__(self, state: _GatheredState, shape: torch.Size, dtype: torch.dtype) -> None:
-        state.shape = shape
+    def __init__(self, state: _GatheredState, shape: torch.Size, dtype: torch.dtype, transposed: bool = False) -> None:
+        if not transposed:
+            state.shape = shape
         self._state = state
+        self._transposed = transposed
+
+    def values(self, role: str) -> torch.Tensor:
+        """This weight's ``role`` orientation (``FORWARD``, ``BACKWARD``), dequantized to its dtype."""
+        values = self._state.values(role, self.dtype)
+        return values.transpose(-2, -1) if self._transposed else values
 
     def __repr__(self) -> str:
         return f"MXGatheredWeight(shape={tuple(self.shape)}, holds={sorted(self._state.held)})"
@@ -225,7 +237,11 @@ class MXGatheredWeight(torch.Tensor):
                 func in _SAME_SHAPE_VIEWS and tuple(args[1]) == tuple(this.shape))):
             # nn.Parameter's detach, FSDP's as_strided and DTensor.to_local's view, all to the
             # weight's own shape: the same weight (one state, so FSDP's refills reach every alias)
-            return MXGatheredWeight(this._state, this.shape, this.dtype)
+            return MXGatheredWeight(this._state, this.shape, this.dtype, this._transposed)
+        if this is not None and func is _aten.transpose.int and sorted(d % this.dim() for d in args[1:3]) == [
+                this.dim() - 2, this.dim() - 1]:
+            shape = (*this.shape[:-2], this.shape[-1], this.shape[-2])
+            return MXGatheredWeight(this._state, torch.Size(shape), this.dtype, not this._transposed)
         if this is not None and func in _NEW_TENSORS:
             # no values needed: plain tensors (autograd's gradient buffers)
             return func(torch.empty(this.shape, dtype=this.dtype, device=this.device), *args[1:], **kwargs)
@@ -241,7 +257,8 @@ def mx_weight(weight: torch.Tensor, recipe: MXRecipe, *, backward: bool, dtype: 
     MX weight gives the orientation it holds (``backward``: the input-gradient GEMM's);
     any other weight is quantized here."""
     if isinstance(weight, MXGatheredWeight):
-        return weight._state.values(BACKWARD if backward else FORWARD, dtype or weight.dtype)
+        values = weight.values(BACKWARD if backward else FORWARD)
+        return values if dtype is None else values.to(dtype)
     return mx_fake_quantize(weight, recipe, axis=axis, dtype=dtype)
 
 

@@ -14,6 +14,7 @@ import torch
 from fsdp_turbo.core.grouped_mm import grouped_mm as core_grouped_mm
 from fsdp_turbo.core.ops import call_op, register_op
 from fsdp_turbo.quantization.training.fake_quant import mx_fake_quantize
+from fsdp_turbo.quantization.training.mx_gather import mx_weight
 from fsdp_turbo.quantization.training.recipe import MXRecipe
 
 
@@ -28,7 +29,7 @@ class _MXGroupedLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight, offsets)
         ctx.recipe = recipe
         xq = mx_fake_quantize(x, recipe, axis=1)
-        wq = mx_fake_quantize(weight, recipe, axis=2)
+        wq = mx_weight(weight, recipe, axis=2, backward=False)
         return grouped_mm(xq, wq.transpose(1, 2), offsets).to(x.dtype)
 
     @staticmethod
@@ -39,7 +40,7 @@ class _MXGroupedLinear(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             gq = mx_fake_quantize(grad_out, recipe, axis=1, gradient=True)
-            grad_x = grouped_mm(gq, mx_fake_quantize(weight, recipe, axis=1), offsets).to(x.dtype)
+            grad_x = grouped_mm(gq, mx_weight(weight, recipe, axis=1, backward=True), offsets).to(x.dtype)
         if ctx.needs_input_grad[1]:
             gq = mx_fake_quantize(grad_out, recipe, axis=0, gradient=True)
             xq = mx_fake_quantize(x, recipe, axis=0)
