@@ -36,6 +36,7 @@ import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
+from fsdp_turbo.core.model_inspect import local_tensor
 from fsdp_turbo.quantization.mx_formats.formats import get_format
 from fsdp_turbo.quantization.mx_formats.mx_tensor import MXTensor, dequantize_mx, quantize_mx
 from fsdp_turbo.quantization.training.fake_quant import mx_fake_quantize
@@ -141,8 +142,7 @@ class MXShardedWeight(torch.Tensor):
         roles, mesh, shape = metadata
         held = {role: (outputs[2 * i], outputs[2 * i + 1]) for i, role in enumerate(roles)}
         if out is not None:
-            if isinstance(out, DTensor):  # a tensor-parallel parameter: FSDP hands the DTensor
-                out = out._local_tensor
+            out = local_tensor(out, differentiable=False)  # a tensor-parallel parameter: FSDP hands the DTensor
             out._state.held = held  # FSDP gathered again: forget what was gathered on demand
             return None
         gathered = MXGatheredWeight(_GatheredState(self, mesh, self._spec), shape, param_dtype)
@@ -273,9 +273,10 @@ def wrap_for_gather(module: torch.nn.Module, name: str, spec: GatherSpec) -> Non
 def plain(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` with an :class:`MXShardedWeight` (a DTensor's local part, or itself) replaced by
     the plain shard it wraps: the same storage, so a load into it lands in the weight."""
-    if isinstance(tensor, DTensor) and isinstance(tensor._local_tensor, MXShardedWeight):
+    local = local_tensor(tensor, differentiable=False)
+    if isinstance(tensor, DTensor) and isinstance(local, MXShardedWeight):
         with torch.no_grad():
-            return DTensor.from_local(tensor._local_tensor._data, tensor.device_mesh, tensor.placements,
+            return DTensor.from_local(local._data, tensor.device_mesh, tensor.placements,
                                       run_check=False, shape=tensor.shape, stride=tensor.stride())
     return tensor._data if isinstance(tensor, MXShardedWeight) else tensor
 
