@@ -221,6 +221,25 @@ def mx_gather_resume_run(folder: str):
     return continued, step(loaded, loaded_optimizer, second), weight
 
 
+def moe_telemetry_run(config: dict | None) -> dict:
+    """MoE telemetry of one forward of the first batch: Qwen3-MoE through the facade at ``config``
+    (this rank's shard of the batch), or in one process (``None``, the whole batch)."""
+    from fsdp_turbo.core.model_facts import resolve_model_facts
+    from fsdp_turbo.core.moe_telemetry import MoETelemetry
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    model, batch, ep = tiny_hf_causal_lm("qwen3_moe"), BATCHES[0], 2
+    if config is not None:
+        model = FSDPTurbo(config, model)
+        state = model.parallel_state
+        batch = shard_rows(batch, state.dp_rank, state.dp_size)
+    facts = resolve_model_facts(model) if config is None else model.fsdp_turbo_facts
+    telemetry = MoETelemetry(model, tuple(c.name for c in facts.experts), facts.routers, ep=ep)
+    with torch.no_grad():
+        model(input_ids=batch)
+    return telemetry.read()
+
+
 def fsdp_head_unit_run(kind: str = "llama"):
     """FSDP=4 with the chunked head as its own unit (its weight is never re-gathered in backward)."""
     from fsdp_turbo.fsdp_turbo import FSDPTurbo

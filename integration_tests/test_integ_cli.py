@@ -5,6 +5,7 @@ checkpoint every 2. An uninterrupted run is the reference; the other runs stop, 
 lose a worker and must end with bit-identical weights (the exported safetensors).
 """
 
+import math
 import os
 import re
 import subprocess
@@ -130,6 +131,13 @@ def test_train_writes_metrics_plot_checkpoints_and_an_hf_model(reference):
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_mib"} <= set(rows[0])
     assert rows[-1]["loss"] < rows[0]["loss"]
+    # MoE telemetry of every step (core.moe_telemetry): each layer's expert shares sum to 1, EP=2's two halves too
+    for row in rows:
+        for layer in ("model.layers.0.mlp", "model.layers.1.mlp"):
+            assert math.isclose(sum(row[f"moe/{layer}/load"]), 1.0, abs_tol=1e-5)
+            assert len(row[f"moe/{layer}/ep_rank_share"]) == 2 and row[f"moe/{layer}/dropped"] == 0.0
+            assert 0 < row[f"moe/{layer}/router_entropy"] <= 1
+        assert row["moe/imbalance_max"] >= 1
     assert (reference / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     steps = sorted(int(p.name.split("-")[1]) for p in (reference / "checkpoints").glob("run-*/step-*"))
     assert steps == [2, 4, 6]  # keep=3

@@ -148,3 +148,24 @@ def test_ring_context_parallel_with_mxfp8(mode):
         assert record.grads.keys() == reference.grads.keys()
         for name, grad in record.grads.items():
             assert sqnr_db(reference.grads[name], grad) >= (30 if name.endswith(MX_LINEARS) else 90), name
+
+
+@pytest.mark.parametrize("layout", ["fsdp2 x cp2 x ep2", "fsdp2 x tp2 x ep2"])
+def test_moe_telemetry_sees_the_routing_one_process_sees(layout):
+    """MoE telemetry (``core.moe_telemetry``) of one forward of the same global batch, summed
+    over the ranks, equals one process's: each expert's share of the slots and the EP ranks'
+    (exactly: the same routing), the imbalance, and the routers' entropy (rtol 1e-5), with context
+    parallel splitting each sequence and with tensor parallel's sequence parallel routing each TP
+    rank's tokens."""
+    from composed_jobs import moe_telemetry_run
+
+    config = LAYOUTS[layout][2]
+    expected = run_reference(moe_telemetry_run, None, timeout=300)
+    assert expected["moe/imbalance_max"] > 1 and 0 < expected["moe/router_entropy_mean"] <= 1
+    for row in run_distributed(moe_telemetry_run, 4, config, timeout=300):
+        assert set(row) == set(expected)
+        for key, value in expected.items():
+            if isinstance(value, list):
+                assert row[key] == value, key
+            else:
+                assert row[key] == pytest.approx(value, rel=1e-5), key

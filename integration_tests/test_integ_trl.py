@@ -69,6 +69,9 @@ def test_trl_trainers_match_the_one_process_script(tmp_path):
     first = ranks[0]
     # TRL's fused LM head ran where it reads nothing around FSDPTurbo (its metrics are logged) ...
     assert {"entropy", "mean_token_accuracy"} <= set(first["moe_packed ep2 x fsdp4"]["logged"])
+    # MoE telemetry (core.moe_telemetry) joins the Trainer's training logs
+    assert {"moe/imbalance_max", "moe/router_entropy_mean", "moe/model.layers.0.mlp/ep_imbalance"} <= set(
+        first["moe_packed ep2 x fsdp4"]["logged"])
     # ... and under context parallel the model's own loss trained (those metrics are not logged: one warning says so)
     assert "entropy" not in first["moe_packed cp2 x fsdp2"]["logged"]
     # peft_config=: only the adapters train, as in the one-process script

@@ -99,6 +99,7 @@ BAD_FIELDS = [
     (dict(tp_plan={"colwise_parallel": ["*.q_proj"], "rowwise_parallel": ["*.q_proj"]}), "tp_plan.rowwise_parallel"),
     (dict(expert_parallel_size=2), "ep_plan"),
     (dict(ep_plan={"num_chunks": 0}), "ep_plan.num_chunks"),
+    (dict(ep_plan={"fixed_router": "yes"}), "ep_plan.fixed_router"),
     (dict(model_facts={"attention_function": "noattr"}), "model_facts.attention_function"),
     (dict(model_facts={"attention_function": "a.b", "attention_modules": ["*.attn"]}), "model_facts.attention_modules"),
     (dict(model_facts={"position_input": ""}), "model_facts.position_input"),

@@ -20,6 +20,22 @@ def reference_run(kind, batches, model_kwargs=None, expert_lists=False):
     return train_steps(build_model(kind, model_kwargs, expert_lists), batches)
 
 
+def fixed_router_reference_run(kind, batches):
+    """The one-process model routed by position, as ``ep_plan.fixed_router`` routes: a pre-hook on
+    each experts container replaces the router's choices with ``routing.fixed_routing``'s."""
+    from fsdp_turbo.distributed.expert_parallel.routing import fixed_routing
+
+    def by_position(module, args):
+        hidden_states, top_k_index, top_k_weights = args
+        return (hidden_states, *fixed_routing(top_k_index, top_k_weights, module.gate_up_proj.shape[0]))
+
+    model = build_model(kind)
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            module.register_forward_pre_hook(by_position)
+    return train_steps(model, batches)
+
+
 def accumulated_reference(kind, batches, shards, model_kwargs=None):
     """The data-parallel reference for a per-batch nonlinear loss (the router's auxiliary
     loss): each step averages the loss and gradients of the ``shards`` data shards."""

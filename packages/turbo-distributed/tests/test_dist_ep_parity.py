@@ -7,7 +7,15 @@ first step's full gradients (experts gathered) rtol 1e-4 / atol 1e-6.
 import pytest
 import torch
 from distributed_jobs import BATCHES
-from ep_jobs import ROUTES, accumulated_reference, ep_run, merge_rank_grads, reference_run, uneven_dispatch_run
+from ep_jobs import (
+    ROUTES,
+    accumulated_reference,
+    ep_run,
+    fixed_router_reference_run,
+    merge_rank_grads,
+    reference_run,
+    uneven_dispatch_run,
+)
 
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
 
@@ -40,6 +48,20 @@ def test_ep2_fsdp4_every_dispatcher(kind, dispatcher):
         # 8 experts / ep 2 / efsdp 2 = 2 whole experts per rank: Shard(0) on both meshes.
         shape, placements = facts["model.layers.0.mlp.experts.gate_up_proj"]
         assert shape == (2, 64, 64) and "Shard(dim=0)" in placements
+
+
+def test_fixed_router_routes_by_position():
+    """``ep_plan.fixed_router`` at EP=2 x FSDP=4: the one-process model with the same routing by
+    position (each rank's 32 tokens x top-2 start a whole round of the 8 experts, so position on
+    a rank is position in the batch) trains alike; the routers, whose choices are discarded,
+    get no gradient (FSDP reduces zeros for them)."""
+    expected = run_reference(fixed_router_reference_run, "qwen3_moe", BATCHES, timeout=300)
+    config = {"expert_parallel_size": 2, "ep_plan": {"dispatcher": "fused", "fixed_router": True}}
+    for record, _, _ in run_distributed(ep_run, 4, "qwen3_moe", BATCHES, config, timeout=300):
+        routers = [name for name in record.grads if name.endswith("mlp.gate.weight")]
+        assert len(routers) == 2 and all(not record.grads.pop(name).any() for name in routers)
+        assert_parity(expected, record, **TOL)
+    assert reference("qwen3_moe").losses != expected.losses  # the router's own choices differ
 
 
 @pytest.mark.parametrize("kind, dispatcher", [("qwen3_moe", "fused"), ("mixtral", "eager"), ("qwen3_moe", "mc2")])

@@ -11,7 +11,7 @@ from fsdp_turbo.core.testing.models import ExpertMLPList, tiny_hf_causal_lm, to_
 from fsdp_turbo.distributed.choices import EP_DISPATCHERS
 from fsdp_turbo.distributed.expert_parallel import DISPATCHERS, ExpertGroup, expert_adapter, make_expert_parallel
 from fsdp_turbo.distributed.expert_parallel.experts import ExpertList, FusedExperts
-from fsdp_turbo.distributed.expert_parallel.routing import build_route, count_tokens, inverse_permutation
+from fsdp_turbo.distributed.expert_parallel.routing import build_route, count_tokens, fixed_routing, inverse_permutation
 
 pytest.importorskip("transformers")
 
@@ -46,6 +46,16 @@ def test_count_tokens_sorts_by_expert_and_drops_sentinels():
     order, counts = count_tokens(index, num_experts=8)
     assert counts.tolist() == [2, 1, 0, 2, 0, 0, 0, 0]
     assert index.reshape(-1)[order].tolist() == [0, 0, 1, 3, 3]  # the dropped slot (8) is gone
+
+
+def test_fixed_routing_loads_every_expert_alike():
+    """Token t's k-th slot on expert (t * top_k + k) mod E, weight 1/top_k: 37 tokens x top-2 over
+    8 experts puts 9 or 10 slots on each, whatever the router chose (here: all on expert 3)."""
+    chosen = torch.full((37, 2), 3)
+    index, weights = fixed_routing(chosen, torch.rand(37, 2), 8)
+    assert index[:2].tolist() == [[0, 1], [2, 3]] and index.dtype == chosen.dtype
+    assert sorted(set(torch.bincount(index.reshape(-1), minlength=8).tolist())) == [9, 10]
+    assert torch.equal(weights, torch.full((37, 2), 0.5))
 
 
 def test_build_route_splits_and_expert_major_order():

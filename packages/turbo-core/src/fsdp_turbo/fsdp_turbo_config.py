@@ -298,6 +298,12 @@ class EPPlanConfig(ConfigSection):
     router or shared expert beside them stays with the dense FSDP. Every expert container must
     be inside one. Unset: every expert container."""
 
+    fixed_router: bool = False
+    """For benchmarks: route by position, not by the router. Token ``t``'s ``k``-th choice is expert
+    ``(t * top_k + k) mod num_experts`` with weight ``1 / top_k``, on each rank's own tokens, so every
+    expert gets the same load (within one slot) whatever the data; dispatch costs can then be measured
+    without routing skew. The router still runs, and its outputs are discarded (it gets no gradient)."""
+
     gradient_divide_factor: float | None = None
     """What expert gradients are divided by. Each EP rank's expert gradient sums every source
     rank's tokens (the all-to-all's backward), so the mean over the job's data-parallel ranks
@@ -310,6 +316,7 @@ class EPPlanConfig(ConfigSection):
         _set(self, "apply_modules", check_optional_patterns(self.apply_modules, "ep_plan.apply_modules"))
         _set(self, "dispatcher", check_published_choice(self.dispatcher, "ep_plan.dispatcher"))
         check_int(self.num_chunks, "ep_plan.num_chunks", minimum=1)
+        check_bool(self.fixed_router, "ep_plan.fixed_router")
         _set(self, "apply_efsdp_modules",
              check_optional_patterns(self.apply_efsdp_modules, "ep_plan.apply_efsdp_modules"))
         _set(self, "gradient_divide_factor", _divide_factor(self.gradient_divide_factor))

@@ -11,6 +11,7 @@ from typing import Any, TextIO
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.moe_telemetry import scalars
 
 _log = get_logger("fsdp_turbo.cli.metrics")
 
@@ -142,6 +143,9 @@ class TensorBoardLog:
         for name, tag in TENSORBOARD_TAGS.items():
             if name in row:
                 self.writer.add_scalar(tag, row[name], global_step=row["step"])
+        for name, value in scalars(row).items():  # MoE telemetry's (its per-expert lists stay in metrics.jsonl)
+            if name.startswith("moe/"):
+                self.writer.add_scalar(name, value, global_step=row["step"])
         self.writer.flush()
 
     def close(self) -> None:

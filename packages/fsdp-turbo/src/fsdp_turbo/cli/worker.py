@@ -54,6 +54,7 @@ from fsdp_turbo.core.device import (
 )
 from fsdp_turbo.core.failfast import FailFast
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.moe_telemetry import MoETelemetry, telemetry_of
 from fsdp_turbo.core.parallel_state import ParallelState
 
 _log = get_logger("fsdp_turbo.cli.worker")  # not "__main__" under python -m
@@ -117,6 +118,7 @@ class Session:
     skipped: int = 0
     metrics: MetricsLog | None = None  # rank 0
     board: TensorBoardLog | None = None  # rank 0, when asked for
+    moe: MoETelemetry | None = None  # an MoE model's routing, read into every metrics row
 
     @property
     def rank0(self) -> bool:
@@ -236,7 +238,7 @@ def _setup(job: JobConfig, resume: str, sizes: JobSizes, hooks: fault_injection.
     saver = TrainingCheckpointer(async_save=job.checkpoint.async_save, device=device,
                                  timeout_s=job.run.collective_timeout_s)
     session = Session(job, model, optimizer, scheduler, data.train, data.eval, model.parallel_state, device,
-                      point.run, sizes, tokens_flops, hooks, saver, notice)
+                      point.run, sizes, tokens_flops, hooks, saver, notice, moe=telemetry_of(model))
     _resume(session, point)
     _check_eval(session)
     _open_logs(session)
@@ -319,6 +321,8 @@ def _metrics_row(session: Session, step: int, result: StepResult, evaluation: di
            "peak_memory_mib": peak_memory_bytes(session.device.type) / 2**20,
            "data_wait_s": result.data_wait_s, "step_s": result.step_s, "world_size": state.world_size}
     row.update(evaluation)
+    if session.moe is not None:  # every rank: the counts are summed over them
+        row.update(session.moe.read(session.device))
     if session.skipped:
         row.update(skipped=not result.finite, skipped_steps=session.skipped)
     peak = peak_tflops(device_name(session.device.type))

@@ -51,6 +51,7 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp_turbo.checkpoint.training import TrainingCheckpointer, read_trainable_state
 from fsdp_turbo.core.errors import CheckpointError, ConfigError
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.moe_telemetry import scalars, telemetry_of
 from fsdp_turbo.fsdp_turbo import FSDPTurbo, as_config
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
@@ -147,11 +148,20 @@ class FSDPTurboTrainerMixin:
             warn_metrics_not_logged(type(self), config)
         with _checkpoints_allowed(training_args):
             super().__init__(*bound.args, **bound.kwargs)
+        self._moe_telemetry = telemetry_of(bound.arguments["model"])
         self._returns_logits = not computes_its_loss(self.model)
         if self._returns_logits:  # its loss is lm_loss's (trainer_loss): the Trainer counts the step's tokens for it,
             self.model_accepts_loss_kwargs, self._loss_shifts_labels = True, True  # shifted as causal LMs shift
             if training_args.label_names is None:
                 self.label_names = ["labels"]  # (the forward does not name them, so the Trainer would drop them)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """An MoE model's routing since the last training log (``core.moe_telemetry``: the busiest
+        expert's load over the mean, the routers' entropy, dropped slots, per layer) joins each
+        training log. Every rank logs (the loss is gathered for it), so every rank reads it."""
+        if self._moe_telemetry is not None and "loss" in logs:
+            logs = {**logs, **scalars(self._moe_telemetry.read(self.args.device))}
+        super().log(logs, *args, **kwargs)
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:

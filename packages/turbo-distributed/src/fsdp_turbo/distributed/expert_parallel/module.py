@@ -8,6 +8,7 @@ from torch import nn
 
 from fsdp_turbo.core.mixin import mix_in
 from fsdp_turbo.distributed.expert_parallel.dispatchers import DISPATCHERS, Dispatcher, ExpertGroup
+from fsdp_turbo.distributed.expert_parallel.routing import fixed_routing
 
 
 class ExpertParallel(nn.Module):
@@ -15,6 +16,7 @@ class ExpertParallel(nn.Module):
 
     ep_experts: ExpertGroup
     ep_dispatcher: Dispatcher
+    ep_fixed_router: bool = False  # ep_plan.fixed_router: route by position (benchmarks)
 
     # Eager under torch.compile (one graph break per MoE layer): the all-to-all splits are
     # host integers read from the routing, and the expert weights are DTensors on the EP mesh.
@@ -25,6 +27,8 @@ class ExpertParallel(nn.Module):
 
     def ep_dispatch(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.ep_fixed_router:
+            top_k_index, top_k_weights = fixed_routing(top_k_index, top_k_weights, self.ep_experts.num_experts)
         return self.ep_dispatcher(self, self.ep_experts, hidden_states, top_k_index, top_k_weights)
 
 
@@ -33,9 +37,11 @@ def is_expert_parallel(module: nn.Module) -> bool:
 
 
 def make_expert_parallel(module: nn.Module, experts: ExpertGroup, ep_rank: int, dispatcher: str,
-                         ep_mesh=None) -> nn.Module:
+                         ep_mesh=None, *, fixed_router: bool = False) -> nn.Module:
     """Keep EP rank ``ep_rank``'s experts of ``module`` and route its forward through
-    ``dispatcher``. ``ep_mesh`` (1-D, the EP group) makes fused weights DTensors."""
+    ``dispatcher``. ``ep_mesh`` (1-D, the EP group) makes fused weights DTensors.
+    ``fixed_router``: route by position instead of by the router (``routing.fixed_routing``)."""
     local = experts.num_experts // experts.ep_size
     experts.adapter.keep_local_experts(module, ep_rank * local, local, ep_mesh)
-    return mix_in(module, ExpertParallel, "EP", ep_experts=experts, ep_dispatcher=DISPATCHERS[dispatcher])
+    return mix_in(module, ExpertParallel, "EP", ep_experts=experts, ep_dispatcher=DISPATCHERS[dispatcher],
+                  ep_fixed_router=fixed_router)

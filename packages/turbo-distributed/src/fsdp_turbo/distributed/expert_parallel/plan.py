@@ -28,13 +28,15 @@ class EPPlan(FeaturePlan):
     dispatcher: str
     num_chunks: int
     gradient_divide_factor: float | None = None  # None: the dense data-parallel size
+    fixed_router: bool = False  # ep_plan.fixed_router: route by position (benchmarks)
 
     @property
     def container_names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.containers)
 
     def describe(self) -> tuple[PlanRow, ...]:
-        return (PlanRow("ep_plan.apply_modules", self.container_names),)
+        fixed = (PlanRow("ep_plan.fixed_router (routed by position, not by the router)", self.container_names),)
+        return (PlanRow("ep_plan.apply_modules", self.container_names), *(fixed if self.fixed_router else ()))
 
     def estimate(self, memory: MemoryModel) -> None:
         # Each rank keeps 1/ep of the experts: dim 0 of 3-D expert weights (for a list of
@@ -94,7 +96,8 @@ def resolve_ep_plan(model: nn.Module, plan: EPPlanConfig, ep_size: int, facts: M
                               f"use a divisor of the number of experts ({adapter.num_experts})",
                               reason=f"{name} has {adapter.num_experts} experts")
         containers.append((name, adapter))
-    return EPPlan(ep_size, tuple(containers), plan.dispatcher, plan.num_chunks, plan.gradient_divide_factor)
+    return EPPlan(ep_size, tuple(containers), plan.dispatcher, plan.num_chunks, plan.gradient_divide_factor,
+                  plan.fixed_router)
 
 
 def _inside(name: str, parent: str) -> bool:

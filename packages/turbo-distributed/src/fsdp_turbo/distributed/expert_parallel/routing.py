@@ -33,6 +33,15 @@ class TokenRoute:
         return sum(self.recv_splits)
 
 
+def fixed_routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ep_plan.fixed_router``: token ``t``'s ``k``-th slot goes to expert ``(t * top_k + k) mod
+    num_experts`` with weight ``1 / top_k``: every expert gets the same load, within one slot."""
+    slots = torch.arange(top_k_index.numel(), device=top_k_index.device).view(top_k_index.shape)
+    index = (slots % num_experts).to(top_k_index.dtype)
+    return index, torch.full_like(top_k_weights, 1.0 / top_k_index.shape[-1])
+
+
 def count_tokens(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(slots sorted by expert, routed only; slots per expert ``[num_experts]``)."""
     flat = top_k_index.reshape(-1)

@@ -26,7 +26,7 @@ def apply_ep_plan(model: nn.Module, plan: EPPlan, ep_mesh) -> dict[str, nn.Modul
     for name, adapter in plan.containers:
         experts = ExpertGroup(adapter, adapter.num_experts, plan.ep, group, plan.num_chunks)
         converted[name] = make_expert_parallel(model.get_submodule(name), experts, ep_rank, plan.dispatcher,
-                                               ep_mesh)
+                                               ep_mesh, fixed_router=plan.fixed_router)
     return converted
 
 
