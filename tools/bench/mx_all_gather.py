@@ -24,10 +24,9 @@ the quantization's cost more than the link's saving: reported).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-from report import paired_ratio, result
+from report import paired_ratio, result, timed_step
 
 MODEL = {"vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
          "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 64}
@@ -40,33 +39,6 @@ RUNS = {
                                     "bfloat16"),
     "fp32 gathers": ({}, None),
 }
-
-
-class Received:
-    """Bytes this rank receives in all-gathers while active: each call's input from every other rank."""
-
-    NAMES = ("all_gather_single", "all_gather_into_tensor", "all_gather")
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self.dist, self.bytes = dist, 0
-        self.originals = {name: getattr(dist, name) for name in self.NAMES if hasattr(dist, name)}
-
-    def __enter__(self) -> Received:
-        for name, original in self.originals.items():
-            setattr(self.dist, name, self._counted(original))
-        return self
-
-    def _counted(self, original):
-        def collective(output, input, group=None, **kwargs):
-            self.bytes += input.numel() * input.element_size() * (self.dist.get_world_size(group) - 1)
-            return original(output, input, group=group, **kwargs)
-        return collective
-
-    def __exit__(self, *exc) -> None:
-        for name, original in self.originals.items():
-            setattr(self.dist, name, original)
 
 
 def _planned_bytes(model) -> int:
@@ -83,6 +55,7 @@ def _planned_bytes(model) -> int:
 def _rank(steps: int) -> dict:
     import torch.distributed as dist
 
+    from fsdp_turbo.core.testing.collectives import AllGatherBytes
     from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
@@ -95,25 +68,13 @@ def _rank(steps: int) -> dict:
             config["fsdp_plan"] = {"param_dtype": dtype}
         model = FSDPTurbo(config, tiny_hf_causal_lm("llama", **MODEL))
         models[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-        with Received() as received:
-            _step(*models[name], tokens)
-        out[name] = {"bytes": received.bytes, "planned": _planned_bytes(model), "times": []}
+        with AllGatherBytes() as received:
+            timed_step(*models[name], tokens)
+        out[name] = {"bytes": received.received, "planned": _planned_bytes(model), "times": []}
     for _ in range(steps):  # interleaved, so machine noise hits every run alike
         for name in RUNS:
-            out[name]["times"].append(_step(*models[name], tokens))
+            out[name]["times"].append(timed_step(*models[name], tokens))
     return out
-
-
-def _step(model, optimizer, tokens) -> float:
-    import torch.distributed as dist
-
-    dist.barrier()
-    started = time.perf_counter()
-    model(input_ids=tokens, labels=tokens).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    dist.barrier()
-    return time.perf_counter() - started
 
 
 def main() -> None:

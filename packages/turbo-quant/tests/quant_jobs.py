@@ -63,34 +63,6 @@ def gather_reference_run():
     return train_steps(model, GATHER_BATCHES)
 
 
-class _CountGathers:
-    """Bytes this rank sends to each peer in all-gathers, FSDP's and the on-demand ones, while active
-    (FSDP2 calls ``all_gather_single`` in newer torch, ``all_gather_into_tensor`` in older)."""
-
-    NAMES = ("all_gather_single", "all_gather_into_tensor", "all_gather")
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        self.dist, self.bytes = dist, 0
-        self.originals = {name: getattr(dist, name) for name in self.NAMES if hasattr(dist, name)}
-
-    def __enter__(self):
-        for name, original in self.originals.items():
-            setattr(self.dist, name, self._counted(original))
-        return self
-
-    def _counted(self, original):
-        def collective(output, input, group=None, **kwargs):
-            self.bytes += input.numel() * input.element_size() * (self.dist.get_world_size(group) - 1)
-            return original(output, input, group=group, **kwargs)
-        return collective
-
-    def __exit__(self, *exc):
-        for name, original in self.originals.items():
-            setattr(self.dist, name, original)
-
-
 def gather_variants_run():
     """Every ``GATHER_VARIANTS`` entry on the same 4-rank FSDP mesh: (record, bytes this rank
     received in all-gathers, weights gathered as MX bytes) by name."""
@@ -100,6 +72,7 @@ def gather_variants_run():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from fsdp_turbo.core.testing.collectives import AllGatherBytes
     from fsdp_turbo.quantization.gather_plan import GatheredWeight, apply_gathers
     from fsdp_turbo.quantization.training import MXLinear, MXRecipe
     from fsdp_turbo.quantization.training.mx_gather import MXShardedWeight
@@ -122,7 +95,7 @@ def gather_variants_run():
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         wrapped = sum(isinstance(p.to_local(), MXShardedWeight) for p in model.parameters())
-        with _CountGathers() as gathers:
+        with AllGatherBytes() as gathers:
             record = train_steps(model, batches)
-        out[name] = (record, gathers.bytes, wrapped)
+        out[name] = (record, gathers.received, wrapped)
     return out

@@ -123,13 +123,6 @@ class MXShardedWeight(torch.Tensor):
             return tree_map_only(torch.Tensor, lambda t: MXShardedWeight(t, spec), out)
         return out
 
-    def __tensor_flatten__(self):
-        return ["_data"], self._spec
-
-    @staticmethod
-    def __tensor_unflatten__(inner, spec, outer_size, outer_stride):
-        return MXShardedWeight(inner["_data"], spec)
-
     # FSDP2's all-gather extension ------------------------------------------------------------
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
