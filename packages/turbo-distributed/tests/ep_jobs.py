@@ -81,6 +81,29 @@ def ep_run(kind, batches, config, model_kwargs=None, expert_lists=False):
     return record, facts, experts_class
 
 
+def replica_slots_routed(model) -> int:
+    """Slots this rank routed to replica slots so far (``ep_plan.redundant_experts``), every layer."""
+    from fsdp_turbo.distributed.expert_parallel.replicas import replicas_of
+
+    return sum(r.routed_to_replicas for m in model.modules() if (r := replicas_of(m)) is not None)
+
+
+def ep_runs(runs, batches):
+    """Several facade trainings in one launch: for each ``(kind, config)``, ``ep_run``'s record,
+    expert facts and class, and the slots routed to replicas."""
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    results = []
+    for kind, config in runs:
+        model = FSDPTurbo(config, build_model(kind))
+        state = model.parallel_state
+        facts = _expert_facts(model)
+        record = train_steps(model, [shard_rows(b, state.dp_rank, state.dp_size) for b in batches])
+        experts_class = next(type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.experts"))
+        results.append((record, facts, experts_class, replica_slots_routed(model)))
+    return results
+
+
 def merge_rank_grads(records) -> dict[str, torch.Tensor]:
     """Every rank's gradients in one dict (a ModuleList expert lives on its owner's ranks)."""
     merged: dict[str, torch.Tensor] = {}
@@ -161,15 +184,15 @@ def uneven_dispatch_run(dispatcher: str, form: str) -> dict:
     return {"expected": expected, "got": got, "reference_grads": reference_grads, "local_grads": local_grads}
 
 
-def checkpoint_round_trip_run(kind, batches, config, directory):
-    """Train one step, save with DCP, load into a fresh EP model, and train on: the resumed
-    model's next losses equal the original's."""
+def checkpoint_round_trip_run(kind, batches, config, directory, resume_config=None):
+    """Train one step, save with DCP, load into a fresh EP model (``resume_config``'s layout;
+    unset: the same), and evaluate on: the original's and the resumed model's next losses."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
-    def fresh():
+    def fresh(config=config):
         model = FSDPTurbo(config, build_model(kind))
         state = model.parallel_state
         return model, [shard_rows(b, state.dp_rank, state.dp_size) for b in batches]
@@ -178,13 +201,20 @@ def checkpoint_round_trip_run(kind, batches, config, directory):
     train_steps(model, local[:1], record_grads=False)
     dcp.save(get_model_state_dict(model), checkpoint_id=directory)
     expected = [float(model(input_ids=b, labels=b).loss) for b in local[1:]]
-    resumed, _ = fresh()
+    resumed, local = fresh(resume_config or config)
+    expected = [float(model(input_ids=b, labels=b).loss) for b in local[1:]] if resume_config else expected
     state_dict = get_model_state_dict(resumed)
     dcp.load(state_dict, checkpoint_id=directory)
     set_model_state_dict(resumed, state_dict)
     got = [float(resumed(input_ids=b, labels=b).loss) for b in local[1:]]
     full = {n: full_tensor(p) for n, p in resumed.named_parameters() if ".experts." in n}
     return expected, got, full
+
+
+def both_round_trips_run(kind, batches, config, trained, resumed, directory):
+    """``checkpoint_round_trip_run`` at one layout, then from ``trained`` to ``resumed``."""
+    return (checkpoint_round_trip_run(kind, batches, config, f"{directory}/same"),
+            checkpoint_round_trip_run(kind, batches, trained, f"{directory}/other", resumed))
 
 
 # ----- the domino dispatcher --------------------------------------------------------

@@ -11,6 +11,7 @@ from ep_jobs import (
     ROUTES,
     accumulated_reference,
     ep_run,
+    ep_runs,
     fixed_router_reference_run,
     merge_rank_grads,
     reference_run,
@@ -37,17 +38,36 @@ def ep_config(ep, dispatcher, **extra):
     return {"expert_parallel_size": ep, "ep_plan": {"dispatcher": dispatcher}, **extra}
 
 
-@pytest.mark.parametrize("dispatcher", ["eager", "fused", "mc2"])
+def redundant(ep, dispatcher, spare, rebalance_every, **extra):
+    """``ep_config`` with ``spare`` replica slots per EP rank, placed every ``rebalance_every`` forwards."""
+    config = ep_config(ep, dispatcher, **extra)
+    config["ep_plan"].update(redundant_experts=spare, rebalance_every=rebalance_every)
+    return config
+
+
+# EP=2 x FSDP=4 (experts shard over efsdp=2 within each EP rank's half): every dispatcher,
+# and redundant experts under expert FSDP (a replica's gradient reaches its home expert's
+# unsharded weight, which expert FSDP then reduce-scatters).
+EP2_FSDP4 = {
+    "qwen3_moe": [ep_config(2, "eager"), ep_config(2, "fused"), ep_config(2, "mc2"),
+                  redundant(2, "fused", spare=2, rebalance_every=2)],
+    "mixtral": [ep_config(2, "eager"), ep_config(2, "fused"), ep_config(2, "mc2"),
+                redundant(2, "domino", spare=1, rebalance_every=1)],
+}
+
+
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
-def test_ep2_fsdp4_every_dispatcher(kind, dispatcher):
-    """EP=2 x FSDP=4: experts shard over efsdp=2 within each EP rank's half."""
-    results = run_distributed(ep_run, 4, kind, BATCHES, ep_config(2, dispatcher), timeout=300)
-    for record, facts, experts_class in results:
-        assert_parity(reference(kind), record, **TOL)
-        assert experts_class.startswith("FSDPEP")
-        # 8 experts / ep 2 / efsdp 2 = 2 whole experts per rank: Shard(0) on both meshes.
-        shape, placements = facts["model.layers.0.mlp.experts.gate_up_proj"]
-        assert shape == (2, 64, 64) and "Shard(dim=0)" in placements
+def test_ep2_fsdp4_every_dispatcher(kind):
+    """Each config of ``EP2_FSDP4[kind]`` (one launch) against the one-process reference."""
+    configs = EP2_FSDP4[kind]
+    for results in run_distributed(ep_runs, 4, [(kind, c) for c in configs], BATCHES, timeout=300):
+        for config, (record, facts, experts_class, to_replicas) in zip(configs, results, strict=True):
+            assert_parity(reference(kind), record, **TOL)
+            assert experts_class.startswith("FSDPEP")
+            # 8 experts / ep 2 / efsdp 2 = 2 whole experts per rank: Shard(0) on both meshes.
+            shape, placements = facts["model.layers.0.mlp.experts.gate_up_proj"]
+            assert shape == (2, 64, 64) and "Shard(dim=0)" in placements
+            assert (to_replicas > 0) == bool(config["ep_plan"].get("redundant_experts")), config
 
 
 def test_fixed_router_routes_by_position():
@@ -64,11 +84,23 @@ def test_fixed_router_routes_by_position():
     assert reference("qwen3_moe").losses != expected.losses  # the router's own choices differ
 
 
-@pytest.mark.parametrize("kind, dispatcher", [("qwen3_moe", "fused"), ("mixtral", "eager"), ("qwen3_moe", "mc2")])
-def test_ep4(kind, dispatcher):
-    for record, facts, _ in run_distributed(ep_run, 4, kind, BATCHES, ep_config(4, dispatcher), timeout=300):
-        assert_parity(reference(kind), record, **TOL)
-        assert facts["model.layers.0.mlp.experts.down_proj"][0] == (2, 64, 32)
+# EP=4 on 4 ranks (2 experts per rank); with redundant experts on every dispatcher, placed
+# again at every forward or every other one.
+EP4 = [("qwen3_moe", ep_config(4, "fused")), ("mixtral", ep_config(4, "eager")), ("qwen3_moe", ep_config(4, "mc2")),
+       ("qwen3_moe", redundant(4, "eager", spare=2, rebalance_every=1)),
+       ("qwen3_moe", redundant(4, "fused", spare=1, rebalance_every=2)),
+       ("qwen3_moe", redundant(4, "mc2", spare=2, rebalance_every=3)),
+       ("mixtral", redundant(4, "domino", spare=3, rebalance_every=1))]
+
+
+def test_ep4():
+    """Each run of ``EP4`` (one launch) against the one-process reference: redundant experts
+    train exactly as without them, and their replicas did serve tokens."""
+    for results in run_distributed(ep_runs, 4, EP4, BATCHES, timeout=400):
+        for (kind, config), (record, facts, _, to_replicas) in zip(EP4, results, strict=True):
+            assert_parity(reference(kind), record, **TOL)
+            assert facts["model.layers.0.mlp.experts.down_proj"][0] == (2, 64, 32)
+            assert (to_replicas > 0) == bool(config["ep_plan"].get("redundant_experts")), config
 
 
 @pytest.mark.parametrize("kind", ["qwen2_moe", "deepseek_v3"])
@@ -148,11 +180,16 @@ def test_uneven_routing_with_idle_experts(dispatcher, form):
 
 def test_dcp_checkpoint_round_trip(tmp_path):
     """Expert weights are DTensors with the global shape: DCP saves each expert once and a
-    fresh EP model loads them back (the same evaluation losses afterwards)."""
-    from ep_jobs import checkpoint_round_trip_run
+    fresh EP model loads them back (the same evaluation losses afterwards). A model trained with
+    redundant experts saves only its experts (replicas are fetched, not kept), so it resumes at
+    another layout: EP=4 without replicas."""
+    from ep_jobs import both_round_trips_run
 
-    results = run_distributed(checkpoint_round_trip_run, 4, "qwen3_moe", BATCHES, ep_config(2, "fused"),
-                              str(tmp_path / "ckpt"), timeout=300)
-    for expected, got, full in results:
+    results = run_distributed(both_round_trips_run, 4, "qwen3_moe", BATCHES, ep_config(2, "fused"),
+                              redundant(2, "mc2", spare=2, rebalance_every=1), ep_config(4, "fused"),
+                              str(tmp_path), timeout=300)
+    for (expected, got, full), (other_expected, other_got, other_full) in results:
         assert got == expected
         assert full["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
+        torch.testing.assert_close(torch.tensor(other_got), torch.tensor(other_expected), rtol=1e-5, atol=0)
+        assert set(other_full) == set(full)

@@ -304,6 +304,18 @@ class EPPlanConfig(ConfigSection):
     expert gets the same load (within one slot) whatever the data; dispatch costs can then be measured
     without routing skew. The router still runs, and its outputs are discarded (it gets no gradient)."""
 
+    redundant_experts: int = 0
+    """Extra expert slots per EP rank, each holding a replica of a hot expert (DeepSeek's EPLB,
+    the upstream's MoonEP). The load counted over recent forwards places the replicas; each
+    routed token goes to the least-loaded copy of its expert. A replica's weights are fetched
+    from its home rank every forward and its gradient is summed into the expert's own, so
+    training is unchanged: only the busiest rank's share of the work drops. Needs
+    ``expert_parallel_size > 1``; at most the experts of the other EP ranks."""
+
+    rebalance_every: int = 20
+    """Training forwards between placements of the replicas (``redundant_experts``): each
+    placement uses the load counted since the previous one. The first is at the first forward."""
+
     gradient_divide_factor: float | None = None
     """What expert gradients are divided by. Each EP rank's expert gradient sums every source
     rank's tokens (the all-to-all's backward), so the mean over the job's data-parallel ranks
@@ -317,6 +329,8 @@ class EPPlanConfig(ConfigSection):
         _set(self, "dispatcher", check_published_choice(self.dispatcher, "ep_plan.dispatcher"))
         check_int(self.num_chunks, "ep_plan.num_chunks", minimum=1)
         check_bool(self.fixed_router, "ep_plan.fixed_router")
+        check_int(self.redundant_experts, "ep_plan.redundant_experts", minimum=0)
+        check_int(self.rebalance_every, "ep_plan.rebalance_every", minimum=1)
         _set(self, "apply_efsdp_modules",
              check_optional_patterns(self.apply_efsdp_modules, "ep_plan.apply_efsdp_modules"))
         _set(self, "gradient_divide_factor", _divide_factor(self.gradient_divide_factor))

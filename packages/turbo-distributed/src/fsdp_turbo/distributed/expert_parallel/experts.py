@@ -33,6 +33,7 @@ from fsdp_turbo.core.model_inspect import expert_gate, fused_experts_form, has_r
 from fsdp_turbo.core.ops import call_op
 from fsdp_turbo.distributed.expert_parallel.forms import (
     ExpertAdapter,
+    expert_weight,
     keep_expert_rows,
     loop_over_experts,
     register_expert_form,
@@ -80,17 +81,27 @@ class FusedExperts(ExpertAdapter):
         experts = self.experts_module(module)
         keep_expert_rows(experts, self._param_names(experts), first, count, ep_mesh)
 
+    replicable: ClassVar[bool] = True
+
+    def home_weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        experts = self.experts_module(module)
+        if is_quantized(experts):  # MX experts read their weights through turbo-quant's op
+            return {}
+        return {name: local_tensor(getattr(experts, name)) for name in self._param_names(experts)}
+
     def weight(self, module: nn.Module, name: str) -> torch.Tensor:
-        """This rank's block of fused weight ``name`` as the GEMMs use it (stored layout)."""
-        return local_tensor(getattr(self.experts_module(module), name))
+        """This rank's block of fused weight ``name`` as the GEMMs use it (stored layout), with
+        the replica slots' copies after it during a forward that has them."""
+        return expert_weight(module, self.experts_module(module), name)
 
     def _weights(self, module: nn.Module) -> tuple[torch.Tensor, ...]:
         gate_up, down = self.weight(module, "gate_up_proj"), self.weight(module, "down_proj")
         if self.transposed:  # stored [E, K, N]; the GEMMs want [E, N, K]
             gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         experts = self.experts_module(module)
-        biases = [getattr(experts, n, None) for n in ("gate_up_proj_bias", "down_proj_bias")]
-        return gate_up, down, *[local_tensor(b) if isinstance(b, torch.Tensor) else None for b in biases]
+        biases = [self.weight(module, n) if isinstance(getattr(experts, n, None), torch.Tensor) else None
+                  for n in ("gate_up_proj_bias", "down_proj_bias")]
+        return gate_up, down, *biases
 
     def eager(self, module: nn.Module, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         experts = self.experts_module(module)

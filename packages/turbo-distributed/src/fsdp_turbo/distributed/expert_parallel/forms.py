@@ -14,7 +14,8 @@ translates the container's own call into that, so no form needs a case in a disp
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -27,7 +28,7 @@ from fsdp_turbo.core.expert_forms import (
     registered_expert_forms,
     remove_expert_form,
 )
-from fsdp_turbo.core.model_inspect import EXPERT_FORWARD_ALIASES
+from fsdp_turbo.core.model_inspect import EXPERT_FORWARD_ALIASES, local_tensor
 
 Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``dispatch(hidden_states, top_k_index, top_k_weights) -> [rows, H]``: what the unsharded
@@ -68,6 +69,16 @@ class ExpertAdapter(abc.ABC):
         local = torch.arange(group_sizes.numel(), device=x.device)
         return self.eager(module, x, torch.repeat_interleave(local, group_sizes, output_size=x.shape[0]))
 
+    replicable: ClassVar[bool] = False
+    """Whether :meth:`home_weights` can feed replicas (``ep_plan.redundant_experts``)."""
+
+    def home_weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's experts as stacked weights ``[local, ...]`` per name, the way the form's
+        GEMMs read them, differentiable to the parameters: what a replica copies. A form that
+        sets ``replicable`` reads them through :func:`expert_weight`, so the replicas fetched
+        for a forward (:func:`replica_weights`) follow its own experts. Empty: cannot replicate."""
+        return {}
+
     def check(self, name: str, module: nn.Module) -> None:
         """Raise ``ConfigError`` for what this container asks that the form cannot honour under
         expert parallel (called by the planner, before anything is changed or sent). The
@@ -80,6 +91,33 @@ class ExpertAdapter(abc.ABC):
         keywords under their names or the aliases other models use (gpt-oss:
         ``router_indices``, ``routing_weights``)."""
         return dispatch(*args, **{EXPERT_FORWARD_ALIASES.get(k, k): v for k, v in kwargs.items()})
+
+
+_REPLICAS = "ep_replica_weights"  # on an expert container during a forward: its replicas' weights
+
+
+@contextlib.contextmanager
+def replica_weights(module: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+    """While active, :func:`expert_weight` appends ``weights[name]`` (``[spare, ...]``, the
+    replica slots) to ``module``'s own experts."""
+    object.__setattr__(module, _REPLICAS, weights)
+    try:
+        yield
+    finally:
+        object.__delattr__(module, _REPLICAS)
+
+
+def expert_weight(module: nn.Module, holder: nn.Module, name: str) -> torch.Tensor:
+    """``holder``'s stacked weight ``name`` as the GEMMs read it: this rank's block, followed by
+    the replica slots' copies while ``module`` (the expert container) has them."""
+    return with_replicas(module, name, local_tensor(getattr(holder, name)))
+
+
+def with_replicas(module: nn.Module, name: str, own: torch.Tensor) -> torch.Tensor:
+    """``own`` (this rank's experts' weight ``name``), followed by the replica slots' copies
+    while ``module`` (the expert container) has them."""
+    extra = getattr(module, _REPLICAS, {}).get(name)
+    return own if extra is None else torch.cat([own, extra.to(own.dtype)])
 
 
 def register_expert_form(cls: type[ExpertAdapter]) -> type[ExpertAdapter]:

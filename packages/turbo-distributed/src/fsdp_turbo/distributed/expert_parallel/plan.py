@@ -29,6 +29,8 @@ class EPPlan(FeaturePlan):
     num_chunks: int
     gradient_divide_factor: float | None = None  # None: the dense data-parallel size
     fixed_router: bool = False  # ep_plan.fixed_router: route by position (benchmarks)
+    redundant_experts: int = 0  # ep_plan.redundant_experts: replica slots per EP rank
+    rebalance_every: int = 20  # ep_plan.rebalance_every: training forwards between placements
 
     @property
     def container_names(self) -> tuple[str, ...]:
@@ -36,7 +38,10 @@ class EPPlan(FeaturePlan):
 
     def describe(self) -> tuple[PlanRow, ...]:
         fixed = (PlanRow("ep_plan.fixed_router (routed by position, not by the router)", self.container_names),)
-        return (PlanRow("ep_plan.apply_modules", self.container_names), *(fixed if self.fixed_router else ()))
+        spare = (PlanRow(f"ep_plan.redundant_experts ({self.redundant_experts} replica slots per EP rank, "
+                         f"placed by load every {self.rebalance_every} forwards)", self.container_names),)
+        return (PlanRow("ep_plan.apply_modules", self.container_names), *(fixed if self.fixed_router else ()),
+                *(spare if self.redundant_experts else ()))
 
     def estimate(self, memory: MemoryModel) -> None:
         # Each rank keeps 1/ep of the experts: dim 0 of 3-D expert weights (for a list of
@@ -95,9 +100,37 @@ def resolve_ep_plan(model: nn.Module, plan: EPPlanConfig, ep_size: int, facts: M
             raise ConfigError("expert_parallel_size", ep_size,
                               f"use a divisor of the number of experts ({adapter.num_experts})",
                               reason=f"{name} has {adapter.num_experts} experts")
+        check_replicable(name, adapter, plan.redundant_experts, ep_size)
         containers.append((name, adapter))
     return EPPlan(ep_size, tuple(containers), plan.dispatcher, plan.num_chunks, plan.gradient_divide_factor,
-                  plan.fixed_router)
+                  plan.fixed_router, plan.redundant_experts, plan.rebalance_every)
+
+
+def check_replicable(name: str, adapter: ExpertAdapter, spare: int, ep_size: int) -> None:
+    """``ep_plan.redundant_experts`` needs other ranks' experts to copy and a form that can."""
+    if not spare:
+        return
+    field = "ep_plan.redundant_experts"
+    if ep_size == 1:
+        raise ConfigError(field, spare, "set expert_parallel_size > 1, or redundant_experts: 0",
+                          reason="with one EP rank every expert is already on it")
+    others = adapter.num_experts - adapter.num_experts // ep_size
+    if spare > others:
+        raise ConfigError(field, spare, f"use at most {others} (the experts of the other EP ranks)",
+                          reason=f"{name} has {adapter.num_experts} experts over {ep_size} EP ranks")
+    if not adapter.replicable:
+        raise ConfigError(field, spare, "use fused experts (transformers v5's [E, ...] weights) or set "
+                          "redundant_experts: 0", reason=f"{name} is {adapter.form}, whose experts cannot be "
+                          "replicated yet")
+
+
+def check_replica_weights(name: str, adapter: ExpertAdapter, module: nn.Module, spare: int) -> None:
+    """Checked when the experts are converted (MX training converts them just before): a form
+    that cannot hand its weights to replicas (MX-trained experts) is refused there."""
+    if spare and not adapter.home_weights(module):
+        raise ConfigError("ep_plan.redundant_experts", spare, "set redundant_experts: 0, or leave the experts "
+                          "out of quantization_plan", reason=f"{name}'s experts are MX-trained: their GEMMs "
+                          "read their weights through turbo-quant's kernels, which have no replica slots")
 
 
 def _inside(name: str, parent: str) -> bool:

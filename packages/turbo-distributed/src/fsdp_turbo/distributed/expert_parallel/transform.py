@@ -12,7 +12,13 @@ from fsdp_turbo.core.plugin import Plans, Stage, Transform
 from fsdp_turbo.distributed.expert_parallel.dispatchers import ExpertGroup
 from fsdp_turbo.distributed.expert_parallel.lora_experts import LoraExperts
 from fsdp_turbo.distributed.expert_parallel.module import make_expert_parallel
-from fsdp_turbo.distributed.expert_parallel.plan import EPPlan, containers_to_shard, resolve_ep_plan
+from fsdp_turbo.distributed.expert_parallel.plan import (
+    EPPlan,
+    check_replica_weights,
+    containers_to_shard,
+    resolve_ep_plan,
+)
+from fsdp_turbo.distributed.expert_parallel.replicas import ExpertReplicas
 from fsdp_turbo.fsdp_turbo_config import EPPlanConfig, FSDPTurboConfig
 
 _log = get_logger(__name__)
@@ -22,11 +28,15 @@ def apply_ep_plan(model: nn.Module, plan: EPPlan, ep_mesh) -> dict[str, nn.Modul
     """Convert the plan's containers; ``ep_mesh`` is a 1-D DeviceMesh over the EP group.
     Returns the converted containers; shard them with ``fully_shard`` (see ``sharding``)."""
     ep_rank, group = ep_mesh.get_local_rank(), ep_mesh.get_group()
+    for name, adapter in plan.containers:
+        check_replica_weights(name, adapter, model.get_submodule(name), plan.redundant_experts)
     converted = {}
     for name, adapter in plan.containers:
         experts = ExpertGroup(adapter, adapter.num_experts, plan.ep, group, plan.num_chunks)
+        replicas = (ExpertReplicas(adapter.num_experts, plan.ep, plan.redundant_experts, plan.rebalance_every,
+                                   group, ep_rank) if plan.redundant_experts else None)
         converted[name] = make_expert_parallel(model.get_submodule(name), experts, ep_rank, plan.dispatcher,
-                                               ep_mesh, fixed_router=plan.fixed_router)
+                                               ep_mesh, fixed_router=plan.fixed_router, replicas=replicas)
     return converted
 
 
