@@ -28,7 +28,6 @@ from fsdp_turbo.core.model_inspect import local_tensor
 from fsdp_turbo.distributed.expert_parallel.forms import (
     Dispatch,
     ExpertAdapter,
-    expert_weight,
     keep_expert_rows,
     loop_over_experts,
     register_expert_form,
@@ -66,14 +65,9 @@ class CountedExperts(ExpertAdapter):
     def keep_local_experts(self, module: nn.Module, first: int, count: int, ep_mesh) -> None:
         keep_expert_rows(module, _WEIGHTS, first, count, ep_mesh)
 
-    replicable: ClassVar[bool] = True
-
-    def home_weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        return {name: local_tensor(getattr(module, name)) for name in _WEIGHTS}
-
     @staticmethod
     def _weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(expert_weight(module, module, name) for name in _WEIGHTS)
+        return tuple(local_tensor(getattr(module, name)) for name in _WEIGHTS)
 
     def eager(self, module: nn.Module, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = self._weights(module)

@@ -155,10 +155,12 @@ class LoraExperts(FusedExperts):
                 keep_strided_expert_columns(lora_b, "weight", first, count, self.num_experts, ep_mesh)
 
     # ----- the effective weights --------------------------------------------------------------
+    # Not yet with redundant experts: a replica would copy the folded weights (its gradient
+    # reaching the adapters through the fold), which no test covers yet.
+    replicable: ClassVar[bool] = False
+
     def home_weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        # A replica copies the folded weights; its gradient reaches the adapters through the fold.
-        experts = self.experts_module(module)
-        return {name: self._folded(module, name) for name in self._param_names(experts)}
+        return {}
 
     def _folded(self, module: nn.Module, name: str) -> torch.Tensor:
         weight = local_tensor(getattr(self.experts_module(module), name))
