@@ -38,6 +38,7 @@ BENCHES = {
     "lora": [],
     "checkpoint_save": [],
     "mx_all_gather": [],
+    "moe_skew": [],
 }
 
 

@@ -19,10 +19,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import _functional_collectives as funcol
 
 from fsdp_turbo.distributed.expert_parallel.balance import EMPTY, Placement, place_replicas, slot_index
-from fsdp_turbo.distributed.expert_parallel.collectives import all_to_all, wait
+from fsdp_turbo.distributed.expert_parallel.collectives import all_to_all
 
 
 def in_backward() -> bool:
@@ -49,7 +48,9 @@ class ExpertReplicas:
     def all_counts(self, top_k_index: torch.Tensor) -> torch.Tensor:
         """``[ep, num_experts]``: every EP rank's routed slots per expert (one small all-gather)."""
         mine = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts + 1)[: self.num_experts]
-        return wait(funcol.all_gather_tensor(mine, 0, self.group)).view(self.ep, self.num_experts)
+        parts = [torch.empty_like(mine) for _ in range(self.ep)]
+        dist.all_gather(parts, mine, group=self.group)
+        return torch.stack(parts)
 
     def update(self, counts: torch.Tensor, training: bool) -> Placement:
         """The placement this forward uses (see the module docstring for when it changes)."""
