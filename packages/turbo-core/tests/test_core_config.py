@@ -102,6 +102,7 @@ BAD_FIELDS = [
     (dict(ep_plan={"fixed_router": "yes"}), "ep_plan.fixed_router"),
     (dict(ep_plan={"redundant_experts": -1}), "ep_plan.redundant_experts"),
     (dict(ep_plan={"rebalance_every": 0}), "ep_plan.rebalance_every"),
+    (dict(router_bias_update_rate=-0.001), "router_bias_update_rate"),
     (dict(model_facts={"attention_function": "noattr"}), "model_facts.attention_function"),
     (dict(model_facts={"attention_function": "a.b", "attention_modules": ["*.attn"]}), "model_facts.attention_modules"),
     (dict(model_facts={"position_input": ""}), "model_facts.position_input"),

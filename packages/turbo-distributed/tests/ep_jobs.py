@@ -36,6 +36,23 @@ def fixed_router_reference_run(kind, batches):
     return train_steps(model, batches)
 
 
+def router_bias_reference_run(kind, batches, rate):
+    """The one-process model whose routers' ``e_score_correction_bias`` trains as
+    ``router_bias_update_rate`` trains it (``core.router_bias``), on the whole batch."""
+    from fsdp_turbo.core.router_bias import RouterBiasBalancer, biased_routers
+
+    model = build_model(kind)
+    experts = tuple(n for n, _ in model.named_modules() if n.endswith("mlp.experts"))
+    RouterBiasBalancer(biased_routers(model, experts), rate)
+    record = train_steps(model, batches)
+    record.biases = router_biases(model)
+    return record
+
+
+def router_biases(model) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+
+
 def accumulated_reference(kind, batches, shards, model_kwargs=None):
     """The data-parallel reference for a per-batch nonlinear loss (the router's auxiliary
     loss): each step averages the loss and gradients of the ``shards`` data shards."""
@@ -90,16 +107,22 @@ def replica_slots_routed(model) -> int:
 
 def ep_runs(runs, batches):
     """Several facade trainings in one launch: for each ``(kind, config)``, ``ep_run``'s record,
-    expert facts and class, and the slots routed to replicas."""
+    expert facts and class, and the slots routed to replicas. ``(kind, config, "recompute")``
+    turns on transformers' own gradient checkpointing of the decoder layers first (turbo-memory's
+    recompute is not installed here): each layer's forward runs again inside the backward."""
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
     results = []
-    for kind, config in runs:
-        model = FSDPTurbo(config, build_model(kind))
+    for kind, config, *options in runs:
+        model = build_model(kind)
+        if "recompute" in options:
+            model.gradient_checkpointing_enable()
+        model = FSDPTurbo(config, model)
         state = model.parallel_state
         facts = _expert_facts(model)
         record = train_steps(model, [shard_rows(b, state.dp_rank, state.dp_size) for b in batches])
         experts_class = next(type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.experts"))
+        record.biases = router_biases(model)
         results.append((record, facts, experts_class, replica_slots_routed(model)))
     return results
 

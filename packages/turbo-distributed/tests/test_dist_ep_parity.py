@@ -15,6 +15,7 @@ from ep_jobs import (
     fixed_router_reference_run,
     merge_rank_grads,
     reference_run,
+    router_bias_reference_run,
     uneven_dispatch_run,
 )
 
@@ -90,25 +91,48 @@ EP4 = [("qwen3_moe", ep_config(4, "fused")), ("mixtral", ep_config(4, "eager")),
        ("qwen3_moe", redundant(4, "eager", spare=2, rebalance_every=1)),
        ("qwen3_moe", redundant(4, "fused", spare=1, rebalance_every=2)),
        ("qwen3_moe", redundant(4, "mc2", spare=2, rebalance_every=3)),
-       ("mixtral", redundant(4, "domino", spare=3, rebalance_every=1))]
+       ("mixtral", redundant(4, "domino", spare=3, rebalance_every=1)),
+       # placed again at every forward, but not in the recompute, which must route as its forward did
+       ("qwen3_moe", redundant(4, "fused", spare=2, rebalance_every=1), "recompute")]
 
 
 def test_ep4():
     """Each run of ``EP4`` (one launch) against the one-process reference: redundant experts
     train exactly as without them, and their replicas did serve tokens."""
     for results in run_distributed(ep_runs, 4, EP4, BATCHES, timeout=400):
-        for (kind, config), (record, facts, _, to_replicas) in zip(EP4, results, strict=True):
+        for (kind, config, *_), (record, facts, _, to_replicas) in zip(EP4, results, strict=True):
             assert_parity(reference(kind), record, **TOL)
             assert facts["model.layers.0.mlp.experts.down_proj"][0] == (2, 64, 32)
             assert (to_replicas > 0) == bool(config["ep_plan"].get("redundant_experts")), config
 
 
-@pytest.mark.parametrize("kind", ["qwen2_moe", "deepseek_v3"])
-def test_other_hf_moe_classes(kind):
-    """Qwen2-MoE (shared expert with a gate) and DeepSeek-V3 (grouped top-k, a dense first layer)."""
-    results = run_distributed(ep_run, 2, kind, BATCHES, ep_config(2, "fused"), timeout=300)
-    for record, _, _ in results:
-        assert_parity(reference(kind), record, **TOL)
+def test_qwen2_moe():
+    """Qwen2-MoE: a shared expert with a gate."""
+    for record, _, _ in run_distributed(ep_run, 2, "qwen2_moe", BATCHES, ep_config(2, "fused"), timeout=300):
+        assert_parity(reference("qwen2_moe"), record, **TOL)
+
+
+def test_deepseek_v3_and_its_auxiliary_loss_free_balancing():
+    """DeepSeek-V3 (grouped top-k, a dense first layer) at EP=2; then with
+    ``router_bias_update_rate``: every rank's router bias moves as the one-process run's does on
+    the whole batch (the loads summed over the ranks), so the losses and the biases match."""
+    rate = 0.05
+    biased_config = ep_config(2, "mc2", router_bias_update_rate=rate)
+    # With recompute (transformers' checkpointing), the recomputed router must use the bias its
+    # forward used, though the bias has moved since.
+    runs = [("deepseek_v3", ep_config(2, "fused")), ("deepseek_v3", biased_config),
+            ("deepseek_v3", biased_config, "recompute")]
+    biased = run_reference(router_bias_reference_run, "deepseek_v3", BATCHES, rate, timeout=300)
+    for plain, *with_bias in run_distributed(ep_runs, 2, runs, BATCHES, timeout=300):
+        assert_parity(reference("deepseek_v3"), plain[0], **TOL)
+        for record, _, _, _ in with_bias:
+            assert_parity(biased, record, **TOL)
+            assert record.biases.keys() == biased.biases.keys() and record.biases
+            for name, bias in biased.biases.items():
+                torch.testing.assert_close(record.biases[name], bias, rtol=0, atol=1e-6)
+                assert bias.abs().max() > 0  # it did move
+    # and it changed the routing
+    assert biased.losses[-1] != pytest.approx(reference("deepseek_v3").losses[-1], rel=1e-4)
 
 
 def test_hsdp_experts_replicated_over_edp():

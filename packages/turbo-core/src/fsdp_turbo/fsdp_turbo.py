@@ -30,6 +30,7 @@ from fsdp_turbo.core.model_facts import ModelFacts, resolve_model_facts
 from fsdp_turbo.core.module_patches import apply_module_patches
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import FeaturePlan, Transform, TransformRegistry, planning_order, registry
+from fsdp_turbo.core.router_bias import RouterBiasBalancer, biased_routers, check_biased_routers
 from fsdp_turbo.core.topology import launch_warnings
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
@@ -137,6 +138,8 @@ def FSDPTurbo(config: FSDPTurboConfig | Mapping[str, Any] | str | Path, model: M
             _log.warning(message)
     state = ParallelState.create(sizes, rank, detect_device_type(config.device_type))
     facts = model_facts(config, model)
+    experts = tuple(container.name for container in facts.experts)
+    check_biased_routers(model, experts, config.router_bias_update_rate)
     planned = plan_transforms(config, model, state, facts=facts)
     record_blueprint(model)
     _ensure_process_group(state, planned)
@@ -144,6 +147,9 @@ def FSDPTurbo(config: FSDPTurboConfig | Mapping[str, Any] | str | Path, model: M
     for transform, plan in planned:
         _log.info(f"applying {transform.name}")
         model = transform.apply(model, plan, state)
+    if config.router_bias_update_rate:
+        model.fsdp_turbo_router_bias = RouterBiasBalancer(biased_routers(model, experts),
+                                                          config.router_bias_update_rate)
     model.parallel_state = state
     model.fsdp_turbo_config = config
     model.fsdp_turbo_facts = facts

@@ -584,6 +584,13 @@ class FSDPTurboConfig(ConfigSection):
     ep_plan: EPPlanConfig | None = None
     """Which expert containers expert parallel shards, and its dispatcher."""
 
+    router_bias_update_rate: float = 0.0
+    """DeepSeek-V3's auxiliary-loss-free load balancing: after each training forward of an MoE
+    layer, its router's ``e_score_correction_bias`` moves by this rate towards balance (up for
+    experts below the mean load, down above it), from the load of every rank. 0 (the default)
+    leaves the bias as loaded; the paper used 0.001. Needs routers with that bias (DeepSeek-V3,
+    GLM-4.5 MoE, Kimi K2 style); any layout, with or without expert parallel."""
+
     context_parallel_size: int = 1
     """Ranks the sequence is split over (context parallel: Ulysses, ring or hybrid); more than 1
     turns it on."""
@@ -654,6 +661,7 @@ class FSDPTurboConfig(ConfigSection):
         check_int(self.tensor_parallel_size, "tensor_parallel_size", minimum=1)
         check_int(self.expert_parallel_size, "expert_parallel_size", minimum=1)
         check_int(self.context_parallel_size, "context_parallel_size", minimum=1)
+        check_float(self.router_bias_update_rate, "router_bias_update_rate", minimum=0.0)
         if self.expert_fully_shard_parallel_size is not None:
             check_int(self.expert_fully_shard_parallel_size, "expert_fully_shard_parallel_size", minimum=1)
         for name, kind in self._nested.items():
