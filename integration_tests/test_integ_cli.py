@@ -31,7 +31,10 @@ JOB = {
     "optimizer": {"lr": 0.003, "warmup_steps": 2},
     "run": {"steps": 6, "micro_batch": 2, "seed": 0},
     "checkpoint": {"save_every": 2, "keep": 3},
-    "turbo": {"expert_parallel_size": 2, "ep_plan": {"apply_modules": ["*mlp.experts"]},
+    # one replica slot per EP rank, placed at every forward (a placement that depends only on the
+    # step's own load, so a resumed run repeats the uninterrupted one to the bit)
+    "turbo": {"expert_parallel_size": 2, "ep_plan": {"apply_modules": ["*mlp.experts"], "redundant_experts": 1,
+                                                     "rebalance_every": 1},
               "recompute": True, "chunk_loss": True},
 }
 
@@ -136,6 +139,9 @@ def test_train_writes_metrics_plot_checkpoints_and_an_hf_model(reference):
         for layer in ("model.layers.0.mlp", "model.layers.1.mlp"):
             assert math.isclose(sum(row[f"moe/{layer}/load"]), 1.0, abs_tol=1e-5)
             assert len(row[f"moe/{layer}/ep_rank_share"]) == 2 and row[f"moe/{layer}/dropped"] == 0.0
+            # what the EP ranks computed once the replicas took their share: never less even
+            assert math.isclose(sum(row[f"moe/{layer}/ep_rank_share_balanced"]), 1.0, abs_tol=1e-5)
+            assert row[f"moe/{layer}/ep_imbalance_balanced"] <= row[f"moe/{layer}/ep_imbalance"] + 1e-9
             assert 0 < row[f"moe/{layer}/router_entropy"] <= 1
         assert row["moe/imbalance_max"] >= 1
     assert (reference / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

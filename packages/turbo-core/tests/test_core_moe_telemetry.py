@@ -48,3 +48,32 @@ def test_load_imbalance_entropy_and_drops_match_a_hand_count():
     again = telemetry.read()
     assert again[f"moe/{name.rpartition('.')[0]}/dropped"] == pytest.approx(3 / 6)
     assert f"moe/{experts[1].rpartition('.')[0]}/load" not in again
+
+
+def test_a_container_that_balances_its_rows_reports_what_each_rank_computed():
+    """A container with ``moe_rank_rows()`` (redundant experts) adds the rows each EP rank really
+    computed, beside the share its experts were routed."""
+    from torch import nn
+
+    from fsdp_turbo.core.moe_telemetry import MoETelemetry
+
+    class Balanced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.zeros(4, 2, 2))
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return hidden_states
+
+        def moe_rank_rows(self):
+            return [3, 1]
+
+    holder = nn.Module()
+    holder.mlp = nn.Module()
+    holder.mlp.experts = Balanced()
+    telemetry = MoETelemetry(holder, ("mlp.experts",), ep=2)
+    holder.mlp.experts(torch.zeros(2, 2), torch.tensor([[0, 1], [0, 1]]), torch.ones(2, 2))
+    row = telemetry.read()
+    assert row["moe/mlp/ep_rank_share"] == [1.0, 0.0] and row["moe/mlp/ep_imbalance"] == 2.0
+    assert row["moe/mlp/ep_rank_share_balanced"] == [0.75, 0.25] and row["moe/mlp/ep_imbalance_balanced"] == 1.5
+    assert "moe/mlp/ep_rank_share_balanced" not in telemetry.read()  # reset by the read

@@ -9,6 +9,7 @@ from fsdp_turbo.distributed.expert_parallel.balance import (
     EMPTY,
     Placement,
     place_replicas,
+    rank_rows,
     slot_index,
     split_over_copies,
     water_fill,
@@ -49,6 +50,7 @@ def test_split_balances_the_ranks():
     totals = [100, 20, 30, 10]  # rank 0 also holds expert 1 (20); rank 1 holds 2 and 3 (40)
     split = split_over_copies(totals, placement)
     assert split == {0: [(0, 60), (5, 40)]}  # slot 5: rank 1's replica slot; both ranks end at 80
+    assert rank_rows(totals, placement, split) == [80, 80]
     assert split_over_copies(totals, Placement(((EMPTY,), (EMPTY,)), local=2)) == {}
 
 
@@ -56,9 +58,10 @@ def test_slot_ids_cover_each_copy_its_quota():
     placement = Placement(((3,), (0,)), local=2)  # width 3: rank 0 slots 0-2, rank 1 slots 3-5
     index = [torch.tensor([[0, 1], [0, 3], [0, 4], [3, 0]]), torch.tensor([[0, 2], [3, 0], [0, 3], [1, 0]])]
     counts = torch.stack([torch.bincount(i.reshape(-1), minlength=5)[:4] for i in index])
-    slots = [slot_index(i, counts, rank, placement) for rank, i in enumerate(index)]
     split = split_over_copies(counts.sum(0).tolist(), placement)
+    slots = [slot_index(i, counts, rank, placement, split) for rank, i in enumerate(index)]
     served = torch.bincount(torch.cat([s.reshape(-1) for s in slots]), minlength=7)
+    assert rank_rows(counts.sum(0).tolist(), placement, split) == [int(served[:3].sum()), int(served[3:6].sum())]
     for copies in split.values():
         for slot, share in copies:
             assert served[slot] == share

@@ -18,7 +18,10 @@ collective) and returns, per layer and over the layers:
 - ``router_entropy``: the mean entropy of the routers' softmax, over ``log(num_experts)`` (1.0
   is uniform routing, 0 a certain one);
 - ``dropped``: the share of slots routed to no expert. Nothing is padded: no dispatcher here has
-  a capacity.
+  a capacity;
+- ``ep_rank_share_balanced`` / ``ep_imbalance_balanced``: where a container computes some
+  experts' rows on other ranks than theirs (redundant experts), the rows each EP rank really
+  computed. Such a container has ``moe_rank_rows()``: the rows of its last forward per EP rank.
 
 Shares and ratios do not depend on how many ranks see the same token (tensor parallel without
 sequence parallel), so the sum over every rank is enough. Counts reset after each read.
@@ -46,7 +49,15 @@ class _LayerCounts:
     slots: torch.Tensor  # [num_experts + 1]: routed slots per expert, then the dropped ones
     entropy: torch.Tensor  # [1]: summed over the tokens the routers saw
     tokens: int = 0
+    balanced: torch.Tensor | None = None  # [ep]: rows each EP rank computed (redundant experts), else None
     handles: list = field(default_factory=list)
+
+    @property
+    def size(self) -> int:  # entries of packed()
+        return self.num_experts + 3 + (0 if self.balanced is None else self.balanced.numel())
+
+    def add_rank_rows(self, rows: list[int]) -> None:
+        self.balanced = self.balanced + torch.tensor(rows, dtype=torch.int64)
 
     def add_slots(self, index: torch.Tensor) -> None:
         flat = index.detach().reshape(-1).clamp(max=self.num_experts)
@@ -59,11 +70,14 @@ class _LayerCounts:
         self.tokens += logits.shape[0]
 
     def packed(self, device: torch.device | str) -> torch.Tensor:
+        balanced = () if self.balanced is None else (self.balanced.to(device, torch.float64),)
         return torch.cat([self.slots.to(device, torch.float64), self.entropy.to(device, torch.float64),
-                          torch.tensor([self.tokens], dtype=torch.float64, device=device)])
+                          torch.tensor([self.tokens], dtype=torch.float64, device=device), *balanced])
 
     def reset(self) -> None:
         self.slots, self.entropy, self.tokens = torch.zeros_like(self.slots), torch.zeros_like(self.entropy), 0
+        if self.balanced is not None:
+            self.balanced = torch.zeros_like(self.balanced)
 
 
 def _top_k_index(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -100,6 +114,11 @@ class MoETelemetry:
                 continue
             layer = _LayerCounts(count, torch.zeros(count + 1, dtype=torch.int64), torch.zeros(1))
             layer.handles.append(module.register_forward_pre_hook(self._count_slots(layer), with_kwargs=True))
+            rank_rows = getattr(module, "moe_rank_rows", None)
+            if callable(rank_rows) and rank_rows() is not None:
+                layer.balanced = torch.zeros(len(rank_rows()), dtype=torch.int64)
+                layer.handles.append(module.register_forward_hook(lambda m, a, o, layer=layer:
+                                                                  layer.add_rank_rows(m.moe_rank_rows())))
             self.layers[name.rpartition(".")[0]] = layer
         for name in routers:
             layer = self.layers.get(name.rpartition(".")[0])
@@ -132,7 +151,7 @@ class MoETelemetry:
             dist.all_reduce(packed)
         packed, row, offset = packed.cpu(), {}, 0
         for name, layer in self.layers.items():
-            size = layer.num_experts + 3
+            size = layer.size
             row.update(_layer_row(name, packed[offset:offset + size], layer.num_experts, self.ep))
             offset += size
             layer.reset()
@@ -166,6 +185,11 @@ def _layer_row(name: str, packed: torch.Tensor, num_experts: int, ep: int) -> di
             row[f"{prefix}/ep_imbalance"] = float(ranks.max() * ep)
     if tokens:
         row[f"{prefix}/router_entropy"] = entropy / tokens / math.log(num_experts)
+    balanced = packed[num_experts + 3:]
+    if balanced.numel() and float(balanced.sum()):
+        ranks = balanced / balanced.sum()
+        row[f"{prefix}/ep_rank_share_balanced"] = [round(float(s), 6) for s in ranks]
+        row[f"{prefix}/ep_imbalance_balanced"] = float(ranks.max() * ranks.numel())
     return row
 
 

@@ -112,16 +112,29 @@ def split_over_copies(totals: list[int], placement: Placement) -> dict[int, list
     return split
 
 
-def slot_index(top_k_index: torch.Tensor, counts: torch.Tensor, source: int, placement: Placement) -> torch.Tensor:
+def rank_rows(totals: list[int], placement: Placement, split: dict[int, list[tuple[int, int]]]) -> list[int]:
+    """Rows each EP rank computes once ``split`` (``split_over_copies``) has spread the replicated
+    experts' tokens: what the slowest rank's share of the work is measured by."""
+    rows = [0] * placement.ep
+    for expert, total in enumerate(totals):
+        if expert not in split:
+            rows[expert // placement.local] += total
+    for copies in split.values():
+        for slot, share in copies:
+            rows[slot // placement.width] += share
+    return rows
+
+
+def slot_index(top_k_index: torch.Tensor, counts: torch.Tensor, source: int, placement: Placement,
+               split: dict[int, list[tuple[int, int]]]) -> torch.Tensor:
     """``top_k_index`` (expert ids; ``>= num_experts``: dropped) as slot ids for EP rank
-    ``source``, given every rank's counts ``[ep, num_experts]``. Dropped slots become
-    ``ep * width``, which no rank owns."""
+    ``source``, given every rank's counts ``[ep, num_experts]`` and their ``split_over_copies``.
+    Dropped slots become ``ep * width``, which no rank owns."""
     num_experts = counts.shape[1]
     local, width = placement.local, placement.width
     flat = top_k_index.reshape(-1)
     home = flat // local * width + flat % local  # every slot to its home copy
     slots = torch.where(flat < num_experts, home, placement.ep * width)
-    split = split_over_copies(counts.sum(0).tolist(), placement)
     if not split:
         return slots.view_as(top_k_index)
     # Places: this source's j-th slot of expert e is place before[e] + j among every source's.

@@ -38,6 +38,11 @@ class ExpertParallel(nn.Module):
             return self.ep_dispatcher(self, self.ep_experts, hidden_states, top_k_index, top_k_weights)
         return self._dispatch_with_replicas(hidden_states, top_k_index, top_k_weights)
 
+    def moe_rank_rows(self) -> list[int] | None:
+        """Rows each EP rank computed in the last forward, when replicas move rows off their
+        experts' ranks (read by ``core.moe_telemetry``); else ``None``."""
+        return None if self.ep_replicas is None else self.ep_replicas.rank_rows
+
     def _dispatch_with_replicas(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """Route over home and replica slots (``replicas``): the dispatchers see ``ep * width``

@@ -20,7 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_turbo.distributed.expert_parallel.balance import EMPTY, Placement, place_replicas, slot_index
+from fsdp_turbo.distributed.expert_parallel.balance import (
+    EMPTY,
+    Placement,
+    place_replicas,
+    rank_rows,
+    slot_index,
+    split_over_copies,
+)
 from fsdp_turbo.distributed.expert_parallel.collectives import all_to_all
 
 
@@ -39,6 +46,7 @@ class ExpertReplicas:
         self.load = [0] * num_experts  # tokens per expert since the last placement, every rank's
         self.counted = 0  # training forwards counted since the last placement
         self.routed_to_replicas = 0  # this rank's slots that went to a replica, every forward so far
+        self.rank_rows: list[int] = [0] * ep  # rows each EP rank computed in the last forward (all sources)
 
     @property
     def slots(self) -> int:
@@ -67,7 +75,10 @@ class ExpertReplicas:
         """The placement and ``top_k_index`` as slot ids (``balance.slot_index``)."""
         counts = self.all_counts(top_k_index)
         placement = self.update(counts, training)
-        slots = slot_index(top_k_index, counts, self.rank, placement)
+        totals = counts.sum(0).tolist()
+        split = split_over_copies(totals, placement)
+        slots = slot_index(top_k_index, counts, self.rank, placement, split)
+        self.rank_rows = rank_rows(totals, placement, split)
         self.routed_to_replicas += int(((slots % placement.width >= placement.local)
                                         & (slots < placement.ep * placement.width)).sum())
         return placement, slots
