@@ -289,6 +289,9 @@ def load_bad_adapters(config: dict, base: str, adapters: list[str]) -> list[str]
 # ----- expert parallel: LoRA on the attention and on the experts (target_parameters) -------------------
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 EP_DISPATCHERS = ["eager", "fused", "mc2", "domino"]
+# each dispatcher, and fused with 2 replica slots per EP rank (replicas of the folded LoRA weights)
+EP_PLANS = {**{d: {"dispatcher": d} for d in EP_DISPATCHERS},
+            "fused, redundant experts": {"dispatcher": "fused", "redundant_experts": 2, "rebalance_every": 1}}
 EP_LAYOUT = {"expert_parallel_size": 2, "fully_shard_parallel_size": 4}  # EP=2 x efsdp 2 on 4 ranks
 
 
@@ -309,20 +312,20 @@ def _local_layout(param) -> tuple[tuple[int, ...], str]:
 
 
 def ep_facade_runs() -> dict[str, tuple]:
-    """Every dispatcher of ``EP_DISPATCHERS`` in the same ranks: the record, the parameters with
-    a gradient that should have none, and the local shape and placements of layer 0's expert
-    parameters (the adapters' included)."""
+    """Every plan of ``EP_PLANS`` in the same ranks: the record, the parameters with a gradient
+    that should have none, and the local shape and placements of layer 0's expert parameters
+    (the adapters' included)."""
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
     results = {}
-    for dispatcher in EP_DISPATCHERS:
-        model = FSDPTurbo({**EP_LAYOUT, "ep_plan": {"dispatcher": dispatcher}}, moe_peft_model())
+    for name, ep_plan in EP_PLANS.items():
+        model = FSDPTurbo({**EP_LAYOUT, "ep_plan": ep_plan}, moe_peft_model())
         state = model.parallel_state
         layouts = {n.split("layers.0.mlp.")[-1]: _local_layout(p) for n, p in model.named_parameters()
                    if "layers.0.mlp.experts" in n}
         record = train_steps(model, [shard_rows(b, state.dp_rank, state.dp_size) for b in BATCHES])
         frozen_grads = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
-        results[dispatcher] = (record, frozen_grads, layouts)
+        results[name] = (record, frozen_grads, layouts)
     return results
 
 

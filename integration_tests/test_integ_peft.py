@@ -342,15 +342,16 @@ def test_lora_on_gpt_oss_experts_matches_peft():
 @pytest.mark.multirank
 def test_lora_on_attention_and_experts_at_ep2_x_efsdp2_every_dispatcher():
     """Qwen3-MoE at EP=2 x efsdp 2 (4 ranks), LoRA on the attention and on every expert's fused
-    weights, each dispatcher in one launch, against single-process PEFT. The adapters' expert
+    weights, each dispatcher in one launch (and fused with redundant experts, whose replicas
+    copy the folded weights), against single-process PEFT. The adapters' expert
     dimension shards with the experts: DTensors on (efsdp, ep) of PEFT's global shapes."""
-    from peft_jobs import EP_DISPATCHERS, ep_facade_runs, moe_reference_run
+    from peft_jobs import EP_PLANS, ep_facade_runs, moe_reference_run
 
     reference = run_reference(moe_reference_run, timeout=300)
     # 4 attention projections + 2 expert weights, lora_A and lora_B each, in 2 layers: adapters only
     assert len(reference.grads) == 2 * (4 + 2) * 2
     for results in run_distributed(ep_facade_runs, 4, timeout=600):
-        assert list(results) == EP_DISPATCHERS
+        assert list(results) == list(EP_PLANS)
         for dispatcher, (record, frozen_grads, layouts) in results.items():
             assert_parity(reference, record, **TOL)
             assert frozen_grads == [], dispatcher

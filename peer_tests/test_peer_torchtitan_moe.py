@@ -39,6 +39,10 @@ LAYOUTS = {
     "fsdp4, ep2 (edp2), mc2": (_ep("mc2", 1), NUM_EXPERTS // 2),
     # Expert FSDP, FSDP=2 x EP=2 on the expert mesh: an EP rank's experts sharded over the other pair.
     "fsdp4, ep2 x efsdp2, fused": (_ep("fused", 2), NUM_EXPERTS // 4),
+    # and one replica slot per EP rank, placed at every forward
+    "fsdp4, ep2 x efsdp2, fused, redundant experts": (
+        {**_ep("fused", 2), "ep_plan": {**_ep("fused", 2)["ep_plan"], "redundant_experts": 1, "rebalance_every": 1}},
+        NUM_EXPERTS // 4),
 }
 _runs = {}
 

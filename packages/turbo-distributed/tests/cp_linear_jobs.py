@@ -9,6 +9,7 @@ import torch.nn.functional as F  # noqa: N812 - the torch idiom
 
 from fsdp_turbo.core.testing import shard_rows, train_steps
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+from fsdp_turbo.core.testing.parity import replay_steps
 
 # Packed rows of 16 tokens: even rows hold documents of 6 and 10 tokens, odd rows of 11 and
 # 5, so at CP=2 (chunks of 8) and CP=4 (chunks of 4) a document starts inside a chunk.
@@ -56,13 +57,21 @@ def plain_loss(model, batch):
 LOSSES = {"plain": plain_loss, "packed": packed_loss, "alone": each_document_alone_loss}
 
 
-def reference_run(kind, batches, loss):
-    return train_steps(tiny_hf_causal_lm(kind), batches, loss_fn=LOSSES[loss])
+def replay_cases(cases, batches, params_file):
+    """The one-process reference of each case ``(name, kind, config, loss)``, replayed from the
+    weights the case had before each step (``replay_steps``; ``params_file``: ``torch.save`` of
+    ``{name: record.params}``, too many tensors to hand a new process); a packed case's
+    reference runs each document alone."""
+    params = torch.load(params_file)
+    return {name: replay_steps(tiny_hf_causal_lm(kind), batches, params[name],
+                               loss_fn=LOSSES["alone" if loss == "packed" else loss])
+            for name, kind, _, loss in cases}
 
 
-def cp_cases(cases, batches):
+def cp_cases(cases, batches, record_params=False):
     """Each case ``(name, kind, config, loss)`` trained under FSDPTurbo on this rank's rows:
-    ``{name: (record, how many linear-attention layers run CP's forward)}``."""
+    ``{name: (record, how many linear-attention layers run CP's forward)}``; with
+    ``record_params`` the record holds every step's weights and gradients (``replay_steps``)."""
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
     results = {}
@@ -72,5 +81,5 @@ def cp_cases(cases, batches):
         wrapped = sum(isinstance(m.forward, functools.partial) for n, m in model.named_modules()
                       if n.endswith("linear_attn"))
         local = [shard_rows(b, state.dp_rank, state.dp_size) for b in batches]
-        results[name] = (train_steps(model, local, loss_fn=LOSSES[loss]), wrapped)
+        results[name] = (train_steps(model, local, loss_fn=LOSSES[loss], record_params=record_params), wrapped)
     return results

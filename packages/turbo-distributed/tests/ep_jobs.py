@@ -179,8 +179,14 @@ def _run(module: nn.Module, rank: int, hidden: int):
     return out.detach(), states.grad, weights.grad
 
 
-def uneven_dispatch_run(dispatcher: str, form: str) -> dict:
-    """Compare one EP=2 experts module with the unsharded one on hand-made routing."""
+def uneven_dispatch_runs(cases) -> list[dict]:
+    """``uneven_dispatch_run`` for each ``(dispatcher, form, redundant_experts)``, in one launch."""
+    return [uneven_dispatch_run(*case) for case in cases]
+
+
+def uneven_dispatch_run(dispatcher: str, form: str, spare: int = 0) -> dict:
+    """Compare one EP=2 experts module with the unsharded one on hand-made routing; with
+    ``spare`` replica slots per rank, placed from this forward's load."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -192,8 +198,8 @@ def uneven_dispatch_run(dispatcher: str, form: str) -> dict:
     hidden = 64
     sharded = _Holder(copy.deepcopy(reference))
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
-    apply_expert_parallel(sharded, EPPlanConfig(apply_modules=["experts"], dispatcher=dispatcher, num_chunks=3),
-                          mesh)
+    apply_expert_parallel(sharded, EPPlanConfig(apply_modules=["experts"], dispatcher=dispatcher, num_chunks=3,
+                                                redundant_experts=spare, rebalance_every=1), mesh)
     expected, got = _run(reference, rank, hidden), _run(sharded.experts, rank, hidden)
     # Expert gradients sum every rank's tokens: all-reduce the reference's.
     reference_grads = {}
@@ -204,7 +210,8 @@ def uneven_dispatch_run(dispatcher: str, form: str) -> dict:
     local_grads = {}
     for name, param in sharded.experts.named_parameters():
         local_grads[name] = full_tensor(param.grad)
-    return {"expected": expected, "got": got, "reference_grads": reference_grads, "local_grads": local_grads}
+    return {"expected": expected, "got": got, "reference_grads": reference_grads, "local_grads": local_grads,
+            "to_replicas": replica_slots_routed(sharded)}
 
 
 def checkpoint_round_trip_run(kind, batches, config, directory, resume_config=None):

@@ -9,7 +9,7 @@ document in a forward of its own, which is what CP computes.
 
 import pytest
 import torch
-from cp_linear_jobs import cp_cases, reference_run
+from cp_linear_jobs import cp_cases, replay_cases
 from distributed_jobs import BATCHES
 from torch import nn
 
@@ -17,8 +17,9 @@ from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.families.qwen3_5 import Qwen35GatedDeltaNetForm
 from fsdp_turbo.core.families.qwen3_next import Qwen3NextGatedDeltaNetForm
 from fsdp_turbo.core.model_facts import resolve_model_facts
-from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
+from fsdp_turbo.core.testing import run_distributed, run_reference
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
+from fsdp_turbo.core.testing.parity import assert_stepwise_parity
 from fsdp_turbo.distributed.context_parallel.linear_attention import (
     causal_conv,
     document_bounds,
@@ -37,8 +38,23 @@ def _plan(kind, cp, tp=1, **plan):
     return plan_context_parallel(model, CPPlanConfig(**plan), cp, resolve_model_facts(model), tp=tp)
 
 
+# Each step's update per tensor, relative L2 (a check the whole-trajectory comparison did not
+# make). AdamW's update lr * m / (sqrt(v) + eps) has slope up to lr / eps where a gradient is near
+# zero: the embedding rows of tokens seen once in a batch hold such gradients, and Qwen3.5-MoE's
+# embedding update at CP=2 x FSDP=2 came out 1.2e-4 from the replay's (gradients within 1e-4 /
+# 1e-6), so 5e-4; a wrong update is off by order one.
+UPDATE_RTOL = 5e-4
+
+
 @pytest.mark.multirank
-def test_gated_deltanet_ulysses_matches_one_process():
+def test_gated_deltanet_ulysses_matches_one_process(tmp_path):
+    """Every step against the one-process model replayed from the case's own weights before it
+    (``replay_steps``): each step's loss and gradients at the float32 tolerances, and its update. The
+    first step starts from the reference model's own weights (the replay checks them), so it is
+    the plain comparison. Whole trajectories are machine-dependent for these models: on an Intel
+    Xeon, CP=4's step 3 was off by 1.1e-5 where an AMD EPYC passed, and the one-process run
+    itself moves by 1.2e-5 at step 3 when its weights are nudged by 3e-6 (relative, random): a
+    discrete switch within rounding of a whole-trajectory comparison, not an error of the layout."""
     fsdp2 = {"context_parallel_size": 2, "fully_shard_parallel_size": 2}
     cases = [("next_cp2xfsdp2", "qwen3_next", fsdp2, "plain"),
              ("next_cp4", "qwen3_next", {"context_parallel_size": 4}, "plain"),  # 2 key heads repeated to 4
@@ -46,13 +62,15 @@ def test_gated_deltanet_ulysses_matches_one_process():
              ("next_packed_cp4", "qwen3_next", {"context_parallel_size": 4}, "packed"),
              ("qwen3_5_moe_cp2xfsdp2", "qwen3_5_moe", fsdp2, "plain"),
              ("qwen3_5_moe_packed_cp4", "qwen3_5_moe", {"context_parallel_size": 4}, "packed")]  # Qwen3.5's form
-    expected = {(kind, loss): run_reference(reference_run, kind, BATCHES, "alone" if loss == "packed" else loss)
-                for _, kind, _, loss in cases}
-    for results in run_distributed(cp_cases, 4, cases, BATCHES, timeout=600):
-        for name, kind, _, loss in cases:
+    ranks = run_distributed(cp_cases, 4, cases, BATCHES, True, timeout=600)
+    torch.save({name: record.params for name, (record, _) in ranks[0].items()}, tmp_path / "params.pt")
+    replayed = run_reference(replay_cases, cases, BATCHES, str(tmp_path / "params.pt"), timeout=600)
+    for results in ranks:
+        for name, *_ in cases:
             record, wrapped = results[name]
             assert wrapped == 1, name  # the tiny models' one linear-attention layer runs CP's forward
-            assert_parity(expected[kind, loss], record, **TOL)
+            assert_stepwise_parity(replayed[name], record, loss_rtol=TOL["loss_rtol"], grad_rtol=TOL["grad_rtol"],
+                                   grad_atol=TOL["grad_atol"], update_rtol=UPDATE_RTOL)
 
 
 @pytest.mark.parametrize("mode", ["ring", "hybrid"])

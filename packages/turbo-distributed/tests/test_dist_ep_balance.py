@@ -1,10 +1,14 @@
 """Redundant experts' rules in one process (``expert_parallel.balance``): where the replicas go,
 how an expert's tokens split over its copies, and each source's slot ids."""
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import pytest
 import torch
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.distributed.expert_parallel import FusedExperts
 from fsdp_turbo.distributed.expert_parallel.balance import (
     EMPTY,
     Placement,
@@ -74,16 +78,23 @@ def test_slot_ids_cover_each_copy_its_quota():
             assert expert == 4 or slot in ids[expert]
 
 
-def _resolve(spare, ep, expert_lists=False, quantized=False):
+@dataclass(frozen=True)
+class Unreplicable(FusedExperts):
+    replicable: ClassVar[bool] = False
+
+
+def _resolve(spare, ep, expert_lists=False, quantized=False, form=None):
     from fsdp_turbo.core.model_facts import plain_api_facts
     from fsdp_turbo.core.testing.models import tiny_hf_causal_lm, to_expert_lists
-    from fsdp_turbo.distributed.expert_parallel.plan import check_replica_weights, resolve_ep_plan
+    from fsdp_turbo.distributed.expert_parallel.plan import check_replica_weights, check_replicable, resolve_ep_plan
     from fsdp_turbo.fsdp_turbo_config import EPPlanConfig
 
     model = tiny_hf_causal_lm("qwen3_moe")
     model = to_expert_lists(model) if expert_lists else model
     plan = resolve_ep_plan(model, EPPlanConfig(redundant_experts=spare), ep, plain_api_facts(model))
     for name, adapter in plan.containers:
+        if form is not None:  # a form whose adapter cannot feed replicas
+            check_replicable(name, form(adapter.num_experts), spare, ep)
         container = model.get_submodule(name)
         if quantized:  # what turbo-quant's MX training leaves on the experts it converts
             container.mx_recipe = "mxfp8"
@@ -94,7 +105,7 @@ def _resolve(spare, ep, expert_lists=False, quantized=False):
 @pytest.mark.parametrize("spare, ep, options, fix", [
     (1, 1, {}, "expert_parallel_size > 1"),
     (7, 2, {}, "at most 4"),  # 8 experts over 2 ranks: 4 on the other rank to copy
-    (1, 2, {"expert_lists": True}, "fused experts"),
+    (1, 2, {"expert_lists": True, "form": Unreplicable}, "replicable = True"),
     (1, 2, {"quantized": True}, "quantization_plan"),
 ])
 def test_redundant_experts_that_cannot_be_honoured_are_refused(spare, ep, options, fix):

@@ -16,7 +16,7 @@ from ep_jobs import (
     merge_rank_grads,
     reference_run,
     router_bias_reference_run,
-    uneven_dispatch_run,
+    uneven_dispatch_runs,
 )
 
 from fsdp_turbo.core.testing import assert_parity, run_distributed, run_reference
@@ -186,20 +186,27 @@ def test_module_list_experts():
         assert owned in ({0, 1, 2, 3}, {4, 5, 6, 7})
 
 
-@pytest.mark.parametrize("form", ["fused", "list"])
-@pytest.mark.parametrize("dispatcher", ["eager", "fused", "mc2"])
-def test_uneven_routing_with_idle_experts(dispatcher, form):
+UNEVEN = [(dispatcher, form, spare) for spare in (0, 2) for form in ("fused", "list")
+          for dispatcher in ("eager", "fused", "mc2")]
+
+
+def test_uneven_routing_with_idle_experts():
     """Hand-made routing: rank 0 sends nothing to rank 1, one slot is dropped, five experts
-    get no token anywhere. Output, input/weight gradients and expert gradients match."""
+    get no token anywhere. Output, input/weight gradients and expert gradients match, for every
+    dispatcher and both forms, without and with 2 replica slots per rank (expert 0, which takes
+    most slots, is then copied to rank 1; a ModuleList's replicas run on the replica's weights)."""
     assert sum(len(r) for r in ROUTES.values()) == 11
-    for result in run_distributed(uneven_dispatch_run, 2, dispatcher, form, timeout=120):
-        for got, expected in zip(result["got"], result["expected"], strict=True):
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-        # Fused weights gather through full_tensor(); a ModuleList rank has its own experts only.
-        assert len(result["local_grads"]) == (2 if form == "fused" else 4 * 3)
-        for name, grad in result["local_grads"].items():
-            torch.testing.assert_close(grad, result["reference_grads"][name], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, n=name: f"{n}: {m}")
+    for results in run_distributed(uneven_dispatch_runs, 2, UNEVEN, timeout=300):
+        for (dispatcher, form, spare), result in zip(UNEVEN, results, strict=True):
+            case = f"{dispatcher}, {form}, {spare} replica slots"
+            for got, expected in zip(result["got"], result["expected"], strict=True):
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m, c=case: f"{c}: {m}")
+            # Fused weights gather through full_tensor(); a ModuleList rank has its own experts only.
+            assert len(result["local_grads"]) == (2 if form == "fused" else 4 * 3)
+            for name, grad in result["local_grads"].items():
+                torch.testing.assert_close(grad, result["reference_grads"][name], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, n=name, c=case: f"{c}, {n}: {m}")
+            assert (result["to_replicas"] > 0) == bool(spare), case
 
 
 def test_dcp_checkpoint_round_trip(tmp_path):

@@ -31,6 +31,7 @@ from fsdp_turbo.distributed.expert_parallel.forms import (
     keep_expert_rows,
     loop_over_experts,
     register_expert_form,
+    replicas_in_forward,
 )
 
 COUNTS_ARG = "num_tokens_per_expert"
@@ -65,9 +66,17 @@ class CountedExperts(ExpertAdapter):
     def keep_local_experts(self, module: nn.Module, first: int, count: int, ep_mesh) -> None:
         keep_expert_rows(module, _WEIGHTS, first, count, ep_mesh)
 
+    replicable: ClassVar[bool] = True
+
+    def home_weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        return {name: local_tensor(getattr(module, name)) for name in _WEIGHTS}
+
     @staticmethod
     def _weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(local_tensor(getattr(module, name)) for name in _WEIGHTS)
+        # the replica slots' weights after the experts' own (a copy per forward, with replicas only)
+        replicas = replicas_in_forward(module)
+        own = [local_tensor(getattr(module, name)) for name in _WEIGHTS]
+        return tuple(torch.cat([w, replicas[n]]) if replicas else w for w, n in zip(own, _WEIGHTS, strict=True))
 
     def eager(self, module: nn.Module, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = self._weights(module)

@@ -33,10 +33,10 @@ from fsdp_turbo.core.model_inspect import expert_gate, fused_experts_form, has_r
 from fsdp_turbo.core.ops import call_op
 from fsdp_turbo.distributed.expert_parallel.forms import (
     ExpertAdapter,
-    expert_weight,
     keep_expert_rows,
     loop_over_experts,
     register_expert_form,
+    replicas_in_forward,
 )
 
 _log = get_logger(__name__)
@@ -87,21 +87,31 @@ class FusedExperts(ExpertAdapter):
         experts = self.experts_module(module)
         if is_quantized(experts):  # MX experts read their weights through turbo-quant's op
             return {}
-        return {name: local_tensor(getattr(experts, name)) for name in self._param_names(experts)}
+        return {name: self.weight(module, name) for name in self._param_names(experts)}
 
     def weight(self, module: nn.Module, name: str) -> torch.Tensor:
-        """This rank's block of fused weight ``name`` as the GEMMs use it (stored layout), with
-        the replica slots' copies after it during a forward that has them."""
-        return expert_weight(module, self.experts_module(module), name)
+        """This rank's block of fused weight ``name`` as the GEMMs use it (stored layout)."""
+        return local_tensor(getattr(self.experts_module(module), name))
 
-    def _weights(self, module: nn.Module) -> tuple[torch.Tensor, ...]:
-        gate_up, down = self.weight(module, "gate_up_proj"), self.weight(module, "down_proj")
+    def _weights(self, module: nn.Module, replicas: dict[str, torch.Tensor] | None = None) -> tuple:
+        """``(gate_up, down, gate_up_bias, down_bias)`` in the GEMMs' layout: this rank's experts,
+        or the replica slots' (``replicas``: ``home_weights``' names, ``[spare, ...]``)."""
+        def read(name: str) -> torch.Tensor | None:
+            if not isinstance(getattr(self.experts_module(module), name, None), torch.Tensor):
+                return None
+            return self.weight(module, name) if replicas is None else replicas[name]
+
+        gate_up, down = read("gate_up_proj"), read("down_proj")
         if self.transposed:  # stored [E, K, N]; the GEMMs want [E, N, K]
             gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-        experts = self.experts_module(module)
-        biases = [self.weight(module, n) if isinstance(getattr(experts, n, None), torch.Tensor) else None
-                  for n in ("gate_up_proj_bias", "down_proj_bias")]
-        return gate_up, down, *biases
+        return gate_up, down, read("gate_up_proj_bias"), read("down_proj_bias")
+
+    def _weight_sets(self, module: nn.Module) -> list[tuple]:
+        """This rank's experts' weights, then the replica slots' in a forward that has them: the
+        slots are numbered in that order, and each set runs its own GEMMs (so the experts' own
+        weights are never copied into one tensor with the replicas')."""
+        replicas = replicas_in_forward(module)
+        return [self._weights(module), *([self._weights(module, replicas)] if replicas else [])]
 
     def eager(self, module: nn.Module, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         experts = self.experts_module(module)
@@ -109,19 +119,30 @@ class FusedExperts(ExpertAdapter):
             order = torch.argsort(expert, stable=True)
             sizes = torch.bincount(expert, minlength=local_tensor(experts.gate_up_proj).shape[0])
             return self.grouped(module, x[order], sizes)[torch.argsort(order)]
-        gate_up, down, gate_up_bias, down_bias = self._weights(module)
+        slots = [(weights, e) for weights in self._weight_sets(module) for e in range(weights[0].shape[0])]
 
-        def run(e: int, rows: torch.Tensor) -> torch.Tensor:
+        def run(slot: int, rows: torch.Tensor) -> torch.Tensor:
+            (gate_up, down, gate_up_bias, down_bias), e = slots[slot]
             h = F.linear(rows, gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
             return F.linear(expert_gate(experts, h), down[e], None if down_bias is None else down_bias[e])
 
-        return loop_over_experts(x, expert, gate_up.shape[0], run)
+        return loop_over_experts(x, expert, len(slots), run)
 
     def grouped(self, module: nn.Module, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         experts = self.experts_module(module)
         if is_quantized(experts):
             return call_op(quantized_experts_op(experts), x.device.type, experts, x, group_sizes)
-        gate_up, down, gate_up_bias, down_bias = self._weights(module)
+        sets = self._weight_sets(module)
+        if len(sets) == 1:
+            return self._grouped_gemms(experts, x, group_sizes, sets[0])
+        local = sets[0][0].shape[0]
+        split = int(group_sizes[:local].sum())  # expert-major: the home experts' rows come first
+        return torch.cat([self._grouped_gemms(experts, x[:split], group_sizes[:local], sets[0]),
+                          self._grouped_gemms(experts, x[split:], group_sizes[local:], sets[1])])
+
+    @staticmethod
+    def _grouped_gemms(experts: nn.Module, x: torch.Tensor, group_sizes: torch.Tensor, weights: tuple) -> torch.Tensor:
+        gate_up, down, gate_up_bias, down_bias = weights
         offsets = torch.cumsum(group_sizes, 0)
 
         def bias_rows(bias: torch.Tensor | None) -> torch.Tensor | float:
@@ -165,9 +186,17 @@ class ExpertList(ExpertAdapter):
             return None
         return cls(len(experts))
 
+    replicable: ClassVar[bool] = True
+
     @staticmethod
     def local_experts(module: nn.Module) -> list[nn.Module]:
         return list(_expert_list(module)._modules.values())
+
+    def home_weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        # Every expert has the same parameters (``detect``): stacked, one name per parameter path.
+        experts = self.local_experts(module)
+        return {name: torch.stack([local_tensor(e.get_parameter(name)) for e in experts])
+                for name, _ in experts[0].named_parameters()}
 
     def keep_local_experts(self, module: nn.Module, first: int, count: int, ep_mesh) -> None:
         registry = _expert_list(module)._modules
@@ -176,21 +205,37 @@ class ExpertList(ExpertAdapter):
                 del registry[name]
 
     def eager(self, module: nn.Module, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        experts = self.local_experts(module)
-        return loop_over_experts(x, expert, len(experts), lambda e, rows: experts[e](rows))
+        experts, replicas = self.local_experts(module), replicas_in_forward(module)
+        spare = next(iter(replicas.values())).shape[0] if replicas else 0
 
-    def _stacked_swiglu(self, experts: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor, Callable] | None:
+        def run(e: int, rows: torch.Tensor) -> torch.Tensor:
+            if e < len(experts):
+                return experts[e](rows)
+            # a replica slot: the first local expert's module, run on the replica's weights
+            weights = {name: stacked[e - len(experts)] for name, stacked in replicas.items()}
+            return torch.func.functional_call(experts[0], weights, (rows,))
+
+        return loop_over_experts(x, expert, len(experts) + spare, run)
+
+    def _stacked_swiglu(self, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, Callable] | None:
+        """The local experts' (and this forward's replicas') SwiGLU weights, stacked."""
+        experts, replicas = self.local_experts(module), replicas_in_forward(module)
         for gate, up, down in _SWIGLU_NAMES:
             layers = [[getattr(e, n, None) for n in (gate, up, down)] for e in experts]
             if all(isinstance(m, nn.Linear) and m.bias is None for row in layers for m in row):
                 act = getattr(experts[0], "act_fn", None) or getattr(experts[0], "act", None) or F.silu
                 gate_up = torch.stack([torch.cat([g.weight, u.weight]) for g, u, _ in layers])
-                return gate_up, torch.stack([d.weight for _, _, d in layers]), act
+                down_stack = torch.stack([d.weight for _, _, d in layers])
+                if replicas:
+                    extra = torch.cat([replicas[f"{gate}.weight"], replicas[f"{up}.weight"]], dim=1)
+                    gate_up = torch.cat([gate_up, extra])
+                    down_stack = torch.cat([down_stack, replicas[f"{down}.weight"]])
+                return gate_up, down_stack, act
         return None
 
     def grouped(self, module: nn.Module, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         experts = self.local_experts(module)
-        stacked = self._stacked_swiglu(experts)
+        stacked = self._stacked_swiglu(module)
         if stacked is None:
             warn_once(_log, f"{type(experts[0]).__name__} experts are not SwiGLU Linear layers; the fused "
                             "dispatcher runs them one by one")

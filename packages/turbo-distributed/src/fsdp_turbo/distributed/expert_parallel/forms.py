@@ -28,7 +28,7 @@ from fsdp_turbo.core.expert_forms import (
     registered_expert_forms,
     remove_expert_form,
 )
-from fsdp_turbo.core.model_inspect import EXPERT_FORWARD_ALIASES, local_tensor
+from fsdp_turbo.core.model_inspect import EXPERT_FORWARD_ALIASES
 
 Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``dispatch(hidden_states, top_k_index, top_k_weights) -> [rows, H]``: what the unsharded
@@ -75,8 +75,9 @@ class ExpertAdapter(abc.ABC):
     def home_weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """This rank's experts as stacked weights ``[local, ...]`` per name, the way the form's
         GEMMs read them, differentiable to the parameters: what a replica copies. A form that
-        sets ``replicable`` reads them through :func:`expert_weight`, so the replicas fetched
-        for a forward (:func:`replica_weights`) follow its own experts. Empty: cannot replicate."""
+        sets ``replicable`` runs, in a forward that has them (:func:`replicas_in_forward`), the
+        replica slots after its own experts: slot ``local + j`` on replica ``j``'s weights.
+        Empty: cannot replicate."""
         return {}
 
     def check(self, name: str, module: nn.Module) -> None:
@@ -98,8 +99,8 @@ _REPLICAS = "ep_replica_weights"  # on an expert container during a forward: its
 
 @contextlib.contextmanager
 def replica_weights(module: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[None]:
-    """While active, :func:`expert_weight` appends ``weights[name]`` (``[spare, ...]``, the
-    replica slots) to ``module``'s own experts."""
+    """While active, ``module``'s replica slots hold ``weights`` (``[spare, ...]`` per name of
+    :meth:`ExpertAdapter.home_weights`; :func:`replicas_in_forward` reads them)."""
     object.__setattr__(module, _REPLICAS, weights)
     try:
         yield
@@ -107,17 +108,10 @@ def replica_weights(module: nn.Module, weights: dict[str, torch.Tensor]) -> Iter
         object.__delattr__(module, _REPLICAS)
 
 
-def expert_weight(module: nn.Module, holder: nn.Module, name: str) -> torch.Tensor:
-    """``holder``'s stacked weight ``name`` as the GEMMs read it: this rank's block, followed by
-    the replica slots' copies while ``module`` (the expert container) has them."""
-    return with_replicas(module, name, local_tensor(getattr(holder, name)))
-
-
-def with_replicas(module: nn.Module, name: str, own: torch.Tensor) -> torch.Tensor:
-    """``own`` (this rank's experts' weight ``name``), followed by the replica slots' copies
-    while ``module`` (the expert container) has them."""
-    extra = getattr(module, _REPLICAS, {}).get(name)
-    return own if extra is None else torch.cat([own, extra.to(own.dtype)])
+def replicas_in_forward(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The replica slots' weights ``module`` (an expert container) has in this forward, ``[spare, ...]``
+    per name; empty outside :func:`replica_weights`."""
+    return getattr(module, _REPLICAS, {})
 
 
 def register_expert_form(cls: type[ExpertAdapter]) -> type[ExpertAdapter]:

@@ -38,7 +38,7 @@ from torch import nn
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.model_inspect import local_tensor
 from fsdp_turbo.distributed.expert_parallel.experts import FusedExperts, is_quantized
-from fsdp_turbo.distributed.expert_parallel.forms import keep_expert_rows, register_expert_form, with_replicas
+from fsdp_turbo.distributed.expert_parallel.forms import keep_expert_rows, register_expert_form
 
 BASE_LAYER = "base_layer"
 _FUSED_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -155,22 +155,14 @@ class LoraExperts(FusedExperts):
                 keep_strided_expert_columns(lora_b, "weight", first, count, self.num_experts, ep_mesh)
 
     # ----- the effective weights --------------------------------------------------------------
-    # Not yet with redundant experts: a replica would copy the folded weights (its gradient
-    # reaching the adapters through the fold), which no test covers yet.
-    replicable: ClassVar[bool] = False
-
-    def home_weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        return {}
-
-    def _folded(self, module: nn.Module, name: str) -> torch.Tensor:
-        weight = local_tensor(getattr(self.experts_module(module), name))
+    # A replica copies the folded weights (``home_weights`` reads them through ``weight``), so
+    # its gradient reaches the adapters through the fold.
+    def weight(self, module: nn.Module, name: str) -> torch.Tensor:
+        weight = super().weight(module, name)
         for wrapper, parameter in self._wrapper_layers(module):
             if parameter == name:
                 weight = self._fold(wrapper, weight)
         return weight
-
-    def weight(self, module: nn.Module, name: str) -> torch.Tensor:
-        return with_replicas(module, name, self._folded(module, name))
 
     def _fold(self, wrapper: nn.Module, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` plus every active adapter's ``scaling * B_e @ A_e``, as PEFT's

@@ -119,9 +119,9 @@ def check_replicable(name: str, adapter: ExpertAdapter, spare: int, ep_size: int
         raise ConfigError(field, spare, f"use at most {others} (the experts of the other EP ranks)",
                           reason=f"{name} has {adapter.num_experts} experts over {ep_size} EP ranks")
     if not adapter.replicable:
-        raise ConfigError(field, spare, "use fused experts (transformers v5's [E, ...] weights) or set "
-                          "redundant_experts: 0", reason=f"{name} is {adapter.form}, whose experts cannot be "
-                          "replicated yet")
+        raise ConfigError(field, spare, f"set redundant_experts: 0, or give {type(adapter).__name__} "
+                          "replicable = True and home_weights()", reason=f"{name} is {adapter.form}, whose "
+                          "form cannot hand its weights to replica slots")
 
 
 def check_replica_weights(name: str, adapter: ExpertAdapter, module: nn.Module, spare: int) -> None:
