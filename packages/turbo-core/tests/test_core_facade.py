@@ -82,6 +82,7 @@ OFF_FEATURE_VALUES = {
     "recompute_plan": ["model.layers.*"],
     "recompute_policy": "selective",
     "chunk_loss_plan": {"chunk_size": 8},
+    "chunk_batch_plan": {"num_chunks": 4},
     "swap_activation_plan": ["model.layers.*"],
     "swap_force": True,
     "compile_plan": ["model.layers.*"],

@@ -29,6 +29,7 @@ tp_plan                TPPlanConfig             tensor_parallel_size > 1
 ep_plan                EPPlanConfig             expert_parallel_size > 1
 cp_plan                CPPlanConfig (or None)   context_parallel_size > 1
 chunk_loss_plan        ChunkLossPlanConfig      chunk_loss=True
+chunk_batch_plan       ChunkBatchPlanConfig     chunk_batch=True; apply_modules None: the blocks
 recompute_plan         patterns (or None)       recompute=True; None: the repeated blocks
 swap_activation_plan   patterns (or None)       swap_activation=True; None: the repeated blocks
 compile_plan           patterns (or None)       compile=True; None: the repeated blocks
@@ -65,6 +66,7 @@ from fsdp_turbo.core.validation import (
 
 __all__ = [
     "CPPlanConfig",
+    "ChunkBatchPlanConfig",
     "ChunkLossPlanConfig",
     "ConfigError",
     "EPPlanConfig",
@@ -451,6 +453,27 @@ class ChunkLossPlanConfig(ConfigSection):
                  check_float(self.logit_softcap, "chunk_loss_plan.logit_softcap", minimum=0.0, strict=True))
 
 
+@dataclass(frozen=True)
+class ChunkBatchPlanConfig(ConfigSection):
+    """Chunked batch: the picked modules run their forward in slices of the batch, so the
+    forward's transient intermediates exist for one slice at a time (with recompute, the
+    backward's re-run too). The same result as one call (rows are independent)."""
+
+    _prefix: ClassVar[str] = "chunk_batch_plan"
+
+    apply_modules: tuple[str, ...] | None = None
+    """Patterns of the modules to slice (outermost matches), e.g. ``["model.layers.*.mlp"]``.
+    Unset: the model facts' repeated blocks."""
+
+    num_chunks: int = 2
+    """Slices of the batch (fewer when a batch has fewer rows)."""
+
+
+    def __post_init__(self) -> None:
+        _set(self, "apply_modules", check_optional_patterns(self.apply_modules, "chunk_batch_plan.apply_modules"))
+        check_int(self.num_chunks, "chunk_batch_plan.num_chunks", minimum=2)
+
+
 @moved_fields({"head_module": "model_facts.head_module"})
 @dataclass(frozen=True)
 class QuantizeConfig(ConfigSection):
@@ -544,6 +567,7 @@ class FSDPTurboConfig(ConfigSection):
         "ep_plan": EPPlanConfig,
         "cp_plan": CPPlanConfig,
         "chunk_loss_plan": ChunkLossPlanConfig,
+        "chunk_batch_plan": ChunkBatchPlanConfig,
         "quantization_plan": QuantizeConfig,
         "model_facts": ModelFactsConfig,
     }
@@ -609,6 +633,13 @@ class FSDPTurboConfig(ConfigSection):
     recompute_policy: str | tuple[str, ...] = "full"
     """``"full"`` recomputes everything, ``"selective"`` keeps the matmul and attention outputs and
     recomputes the rest; or a list of ATen ops to keep, e.g. ``["aten.mm"]``."""
+
+    chunk_batch: bool = False
+    """Whether the picked modules (default: the repeated blocks) run their forward in slices of
+    the batch, to cut their activation peak."""
+
+    chunk_batch_plan: ChunkBatchPlanConfig = field(default_factory=ChunkBatchPlanConfig)
+    """The modules chunk_batch slices and the number of slices."""
 
     chunk_loss: bool = False
     """Whether the cross-entropy is computed chunk by chunk, so the full ``[tokens, vocab]``
@@ -677,6 +708,9 @@ class FSDPTurboConfig(ConfigSection):
             raise ConfigError("compile_backend", self.compile_backend,
                               "name a torch.compile backend, e.g. 'inductor' or 'aot_eager'")
         quant = self.quantization_plan
+        if self.chunk_batch and self.compile:
+            raise ConfigError("chunk_batch", True, "turn chunk_batch or compile off",
+                              reason="compile traces each block's forward whole; chunk_batch slices it")
         if quant is not None and quant.low_precision_all_gather and self.compile:
             raise ConfigError("quantization_plan.low_precision_all_gather", True,
                               "set it to false under compile, or turn compile off",
@@ -709,7 +743,7 @@ class FSDPTurboConfig(ConfigSection):
             _set(self, "recompute_policy", check_choice(policy, "recompute_policy", RECOMPUTE_POLICIES))
         else:
             _set(self, "recompute_policy", check_patterns(policy, "recompute_policy"))
-        for flag in ("chunk_loss", "swap_optimizer", "swap_force"):
+        for flag in ("chunk_loss", "chunk_batch", "swap_optimizer", "swap_force"):
             check_bool(getattr(self, flag), flag)
 
     # ----- world-size checks ---------------------------------------------------------

@@ -46,6 +46,8 @@ class Stage:
                                                      parallel when EP runs beside TP
     swap_activation  recompute                       swap recomputed blocks' checkpoint inputs; skip
                                                      blocks inside a recomputed block
+    chunk_batch      recompute                       slice the re-run of recomputed blocks too (memory
+                                                     estimate)
     fully_shard      expert_parallel, chunk_loss     shard experts on the expert mesh first; not
                                                      backward-prefetch a chunked-loss head
     ===============  ==============================  ==================================================
@@ -62,6 +64,7 @@ class Stage:
     EXPERT_PARALLEL = 300
     CONTEXT_PARALLEL = 400
     RECOMPUTE = 500
+    CHUNK_BATCH = 520
     CHUNK_LOSS = 550
     SWAP_ACTIVATION = 600
     COMPILE = 650

@@ -10,27 +10,17 @@ from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import checkpoint as checkpoint_function
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.memory.kv_cache import uses_kv_cache, without_kv_cache
 from fsdp_turbo.memory.recompute.policy import context_fn_for
 
 RECOMPUTE_MARK = "_fsdp_turbo_recompute"
-_CACHE_KWARGS = ("past_key_values", "layer_past")
 
 
 def _drop_kv_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    # An HF layer writes its KV cache in forward; the recompute would write it again and
-    # then attend over twice the keys. Training needs no cache, so (as HF's own gradient
-    # checkpointing does) the checkpointed layer gets none.
-    if not (module.training and torch.is_grad_enabled()):
+    # The recompute would write the layer's KV cache again and then attend over twice the keys.
+    if not (module.training and torch.is_grad_enabled()) or not uses_kv_cache(kwargs):
         return None
-    if not any(kwargs.get(name) is not None for name in _CACHE_KWARGS) and not kwargs.get("use_cache"):
-        return None
-    kwargs = dict(kwargs)
-    for name in _CACHE_KWARGS:
-        if kwargs.get(name) is not None:
-            kwargs[name] = None
-    if kwargs.get("use_cache"):
-        kwargs["use_cache"] = False
-    return args, kwargs
+    return args, without_kv_cache(kwargs)
 
 
 def hooks_own_saved_tensors(module: nn.Module) -> bool:
