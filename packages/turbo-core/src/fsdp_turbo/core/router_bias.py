@@ -25,15 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_turbo.core.autograd_state import in_backward
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.model_inspect import EXPERT_FORWARD_ALIASES
 
 BIAS = "e_score_correction_bias"
 FIELD = "router_bias_update_rate"
-
-
-def in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 def _parent(name: str) -> str:

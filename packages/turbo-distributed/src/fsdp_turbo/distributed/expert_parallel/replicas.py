@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_turbo.core.autograd_state import in_backward
 from fsdp_turbo.distributed.expert_parallel.balance import (
     EMPTY,
     Placement,
@@ -29,10 +30,6 @@ from fsdp_turbo.distributed.expert_parallel.balance import (
     split_over_copies,
 )
 from fsdp_turbo.distributed.expert_parallel.collectives import all_to_all
-
-
-def in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class ExpertReplicas:

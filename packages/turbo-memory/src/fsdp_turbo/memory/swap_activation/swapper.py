@@ -22,6 +22,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
+from fsdp_turbo.core.autograd_state import in_backward
 from fsdp_turbo.core.device import detect_device_type, has_streams
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.model_inspect import is_dtensor, local_tensor
@@ -34,12 +35,6 @@ from fsdp_turbo.memory.swap_activation.group import DTensorHandle, Handle, State
 from fsdp_turbo.memory.swap_activation.mover import Mover, SwapStats
 
 _log = get_logger(__name__)
-
-
-def _in_backward() -> bool:
-    # Recomputation (activation checkpointing of an enclosing region) re-runs forwards
-    # inside backward; those must keep their own hooks.
-    return torch._C._current_graph_task_id() != -1
 
 
 class _Sequence:
@@ -155,7 +150,7 @@ class ActivationSwapper:
 
     # ----- module hooks -------------------------------------------------------------------
     def _pre_forward(self, index: int, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled() or _in_backward() or torch.compiler.is_compiling():
+        if not torch.is_grad_enabled() or in_backward() or torch.compiler.is_compiling():
             return
         sequence = self._sequence
         if sequence is None or index in sequence.ran:

@@ -36,6 +36,7 @@ import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
+from fsdp_turbo.core.autograd_state import in_backward
 from fsdp_turbo.core.model_inspect import local_tensor
 from fsdp_turbo.quantization.mx_formats.formats import get_format
 from fsdp_turbo.quantization.mx_formats.mx_tensor import MXTensor, dequantize_mx, quantize_mx
@@ -73,11 +74,6 @@ class GatherSpec:
 
     def axis(self, role: str) -> int:
         return self.forward_axis if role == FORWARD else self.backward_axis
-
-
-def _in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (FSDP's pre-backward gathers)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _quantize(shard: torch.Tensor, spec: GatherSpec, role: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +122,7 @@ class MXShardedWeight(torch.Tensor):
     # FSDP2's all-gather extension ------------------------------------------------------------
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        roles = (FORWARD, BACKWARD) if self._spec.both else (BACKWARD if _in_backward() else FORWARD,)
+        roles = (FORWARD, BACKWARD) if self._spec.both else (BACKWARD if in_backward() else FORWARD,)
         shard = _padded_shard(self._data, mesh.size(), outer_size)
         inputs = tuple(part for role in roles for part in _quantize(shard, self._spec, role))
         return inputs, (roles, mesh, torch.Size(outer_size))
