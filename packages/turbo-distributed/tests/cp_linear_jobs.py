@@ -62,7 +62,7 @@ def replay_cases(cases, batches, params_file):
     weights the case had before each step (``replay_steps``; ``params_file``: ``torch.save`` of
     ``{name: record.params}``, too many tensors to hand a new process); a packed case's
     reference runs each document alone."""
-    params = torch.load(params_file)
+    params = torch.load(params_file, weights_only=True)  # data, never code
     return {name: replay_steps(tiny_hf_causal_lm(kind), batches, params[name],
                                loss_fn=LOSSES["alone" if loss == "packed" else loss])
             for name, kind, _, loss in cases}
