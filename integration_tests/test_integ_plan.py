@@ -224,3 +224,102 @@ def test_plan_counts_all_gather_bytes_in_what_each_gather_moves():
         assert memory.gathered == math.ceil(expected[name]), name
         assert f"FSDP all-gathers per rank: {memory.gathered / 2**20:.2f} MiB received per step" in "\n".join(lines)
     assert any("low_precision_all_gather (MX bytes" in line for line in planned["mx bytes"][0])
+
+
+def _llama_job(tmp_path, turbo=None):
+    from memory_jobs import layout_job
+
+    job = layout_job("FSDP=4")
+    if turbo is not None:
+        job["turbo"] = turbo
+    path = tmp_path / "llama.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def test_plan_json_holds_the_memory_parts_and_the_peak_the_text_shows(tmp_path, capsys):
+    import json
+
+    path = _llama_job(tmp_path)
+    assert main(["plan", str(path), "--world-size", "4", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    memory = summary["memory"]
+    assert summary["mesh"]["fsdp"] == 4 and summary["transforms"] == ["fully_shard"]
+    assert memory["peak_bytes"] == max(memory["phases"].values())
+    assert memory["peak_phase"] == "loss"
+    assert set(memory["phases"]) == {"loss", "layer backward", "layer reduce-scatter", "root reduce-scatter",
+                                     "optimizer"}
+    assert {"gathered_root_unit", "prefetched_units", "loss", "layer_reduce_scatter",
+            "optimizer_temporaries"} <= set(memory["transients"])
+    assert memory["model_state"] == memory["parameters"] + memory["gradients"] + memory["optimizer_states"]
+    assert main(["plan", str(path), "--world-size", "4"]) == 0
+    text = capsys.readouterr().out
+    assert f"  peak              {memory['peak_bytes'] / 2**20:10.2f} MiB at loss" in text
+    assert f"loss {memory['phases']['loss'] / 2**20:.2f}" in text
+
+
+def test_plan_auto_ranks_what_fits_and_writes_the_job(tmp_path, capsys):
+    import json
+
+    path = _llama_job(tmp_path)
+    written = tmp_path / "auto.yaml"
+    assert main(["plan", str(path), "--world-size", "4", "--auto", "--memory-per-rank", "100MiB",
+                 "--write", str(written), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    auto = summary["auto"]
+    assert auto["fitting"] >= len(auto["candidates"]) > 1 and auto["refused"] < auto["tried"]
+    steps = [candidate["step_s"] for candidate in auto["candidates"]]
+    assert steps == sorted(steps)
+    assert all(candidate["peak_bytes"] <= 100 * 2**20 for candidate in auto["candidates"])
+    for candidate in auto["candidates"]:
+        terms = candidate["compute_s"] + candidate["communication_s"] + candidate["memory_traffic_s"]
+        assert candidate["step_s"] == pytest.approx(terms)
+    # the printed plan is the chosen job's: its peak is the best candidate's
+    assert summary["memory"]["peak_bytes"] == auto["candidates"][0]["peak_bytes"]
+    chosen = JobConfig.from_file(written)
+    assert chosen.to_dict()["turbo"] == JobConfig.from_dict({**yaml.safe_load(path.read_text()),
+                                                             "turbo": auto["turbo"]}).to_dict()["turbo"]
+    _, estimate = make_plan(chosen, 4)
+    assert estimate.peak == auto["candidates"][0]["peak_bytes"]
+    assert main(["plan", str(path), "--world-size", "4", "--auto", "--memory-per-rank", "100MiB"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("auto: ") and "fit 100.0 MiB a rank" in lines[0]
+
+
+def test_plan_auto_errors_name_the_flag(tmp_path, capsys):
+    path = _llama_job(tmp_path)
+    assert main(["plan", str(path), "--world-size", "4", "--auto"]) == 2
+    assert "--memory-per-rank=None is invalid" in capsys.readouterr().err
+    assert main(["plan", str(path), "--world-size", "4", "--auto", "--memory-per-rank", "lots"]) == 2
+    assert "--memory-per-rank='lots' is invalid: it is not a size" in capsys.readouterr().err
+    assert main(["plan", str(path), "--world-size", "4", "--auto", "--memory-per-rank", "1MiB"]) == 2
+    error = capsys.readouterr().err
+    assert "--memory-per-rank='1.0MiB' is invalid: none of the" in error and "the smallest predicted peak is" in error
+    assert main(["plan", str(path), "--world-size", "4", "--auto", "--memory-per-rank", "1GiB",
+                 "--write", str(tmp_path / "job.toml")]) == 2
+    assert "--write=" in capsys.readouterr().err
+
+
+def test_parse_size():
+    from fsdp_turbo.cli.auto_plan import parse_size
+
+    assert parse_size("80GiB") == 80 * 2**30 and parse_size("120 MiB") == 120 * 2**20
+    assert parse_size("2e9") == 2 * 10**9 and parse_size("1.5GB") == 1_500_000_000
+
+
+def test_train_auto_launches_the_layout_plan_auto_picks(tmp_path, capsys):
+    """``train --auto`` resolves the job with the chosen layout before the launch (checked here
+    without launching: the job it returns is the one plan --auto writes)."""
+    from fsdp_turbo.cli.main import _parser, _train_auto
+
+    path = _llama_job(tmp_path)
+    args = _parser().parse_args(["train", str(path), "--nproc-per-node", "4", "--auto", "--memory-per-rank", "100MiB"])
+    job = _train_auto(JobConfig.from_file(path), args)
+    assert "--auto picked" in capsys.readouterr().err
+    written = tmp_path / "auto.yaml"
+    assert main(["plan", str(path), "--world-size", "4", "--auto", "--memory-per-rank", "100MiB",
+                 "--write", str(written)]) == 0
+    assert job.to_dict() == JobConfig.from_file(written).to_dict()
+    args = _parser().parse_args(["train", str(path), "--nproc-per-node", "1:4", "--auto", "--memory-per-rank", "1GiB"])
+    with pytest.raises(Exception, match="--auto=True is invalid"):
+        _train_auto(JobConfig.from_file(path), args)

@@ -39,6 +39,7 @@ BENCHES = {
     "checkpoint_save": [],
     "mx_all_gather": [],
     "moe_skew": [],
+    "memory_model": [],
 }
 
 

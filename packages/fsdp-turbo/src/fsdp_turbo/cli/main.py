@@ -4,7 +4,8 @@
                               [--save-every N] [--max-restarts N] [--resume auto|none|DIR]
                               [--stop-at-step N]
                               [torchrun rendezvous flags: --nnodes, --node-rank, --rdzv-*, ...]
-    fsdp-turbo plan JOB.yaml [--world-size N] [--nnodes N] [--nproc-per-node K]
+    fsdp-turbo plan JOB.yaml [--world-size N] [--nnodes N] [--nproc-per-node K] [--json]
+                             [--auto --memory-per-rank SIZE [--write FILE]]
     fsdp-turbo data JOB.yaml [--show N] [--output-dir DIR]
 
 ``train`` checks the job file, then hands the job to PyTorch's own launcher
@@ -41,11 +42,18 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", default="auto", help="auto (latest complete checkpoint), none, or a folder")
     train.add_argument("--stop-at-step", type=int, help="stop cleanly after this step (with a checkpoint)")
     train.add_argument("--standalone", action="store_true", help="single-node rendezvous (the default for one node)")
+    train.add_argument("--auto", action="store_true", help="train with the layout plan --auto picks for "
+                       "--memory-per-rank at the launched world size")
+    _auto_flags(train)
     for flag in TORCHRUN_FLAGS:
         train.add_argument(flag, help="passed to torchrun")
     plan = commands.add_parser("plan", help="dry run: patterns, mesh layout and per-rank memory")
     plan.add_argument("config")
     plan.add_argument("--world-size", type=int, help="default: the product of the job's parallel sizes")
+    plan.add_argument("--json", action="store_true", help="print one JSON object (memory.peak_bytes: the peak)")
+    plan.add_argument("--auto", action="store_true", help="search the layouts that fit --memory-per-rank")
+    plan.add_argument("--write", help="with --auto: write the job with the chosen layout to this file")
+    _auto_flags(plan)
     # plan's own --nnodes/--nproc-per-node are numbers (train's pass torchrun's strings through):
     # with either, the plan also shows which node each mesh group lands on
     plan.add_argument("--nnodes", type=int, help="nodes: add the placement of every mesh group on them")
@@ -55,6 +63,15 @@ def _parser() -> argparse.ArgumentParser:
     data.add_argument("--show", type=int, default=3, help="how many training sequences to print")
     data.add_argument("--output-dir", help="override output_dir (where the data cache is, by default)")
     return parser
+
+
+def _auto_flags(parser: argparse.ArgumentParser) -> None:
+    """The budget and the cost model's hardware (``cli.auto_plan``)."""
+    parser.add_argument("--memory-per-rank", help="with --auto: the memory budget of a rank, e.g. 80GiB")
+    parser.add_argument("--flops", type=float, default=400.0, help="with --auto: TFLOP/s a rank sustains")
+    parser.add_argument("--link-bandwidth", type=float, default=50.0, help="with --auto: GB/s a rank receives")
+    parser.add_argument("--memory-bandwidth", type=float, default=2000.0, help="with --auto: device GB/s")
+    parser.add_argument("--host-bandwidth", type=float, default=25.0, help="with --auto: device-host GB/s")
 
 
 def torchrun_args(args: argparse.Namespace, signals_to_handle: str | None = None) -> list[str]:
@@ -165,17 +182,73 @@ def _run_command(args: argparse.Namespace):
     """``plan`` and ``data`` do their work; ``train`` checks the job and returns it to launch."""
     job = resolve(args)
     if args.command == "plan":
+        if args.auto:
+            _plan_auto(job, args)
+            return None
         from fsdp_turbo.cli.plan import print_plan
 
-        print_plan(job, args.world_size, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node)
+        print_plan(job, args.world_size, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, as_json=args.json)
         return None
     if args.command == "data":
         from fsdp_turbo.cli.data.show import show
 
         sys.stdout.write(show(job.data, _prepare_data(job), args.show) + "\n")
         return None
+    if args.auto:
+        job = _train_auto(job, args)
     _check_train(job, args)
     return job
+
+
+def _search(job, args: argparse.Namespace, world: int | None):
+    from fsdp_turbo.cli.auto_plan import Hardware, parse_size, search
+
+    if args.memory_per_rank is None:
+        raise ConfigError("--memory-per-rank", None, "give the memory budget of a rank with --auto, e.g. "
+                          "--memory-per-rank 80GiB")
+    if world is None:
+        raise ConfigError("--auto", True, "give the world size (plan: --world-size; train: a whole --nproc-per-node "
+                          "and --nnodes)", reason="the search needs a fixed number of ranks")
+    hardware = Hardware(args.flops * 1e12, args.link_bandwidth * 1e9, args.memory_bandwidth * 1e9,
+                        args.host_bandwidth * 1e9)
+    return search(job, world, parse_size(args.memory_per_rank), hardware)
+
+
+def _plan_auto(job, args: argparse.Namespace) -> None:
+    """``plan --auto``: the fitting layouts, fastest first (``--json``: ``auto.turbo`` is the
+    chosen section); ``--write FILE``: the job with it."""
+    import json
+
+    from fsdp_turbo.cli.auto_plan import auto_json, auto_lines, with_best
+    from fsdp_turbo.cli.plan import plan_job
+
+    world = args.world_size
+    if world is None and args.nnodes and args.nproc_per_node:
+        world = args.nnodes * args.nproc_per_node
+    result = _search(job, args, world)
+    chosen = with_best(job, result)  # raises, naming the smallest peak, when nothing fits
+    if args.write:
+        from fsdp_turbo.cli.auto_plan import write_job
+
+        write_job(chosen, args.write)
+    if args.json:
+        from fsdp_turbo.cli.job_config import JobConfig
+
+        summary = plan_job(JobConfig.from_dict(chosen), world).summary
+        print(json.dumps({**summary, "auto": auto_json(result)}, indent=2))
+        return
+    print("\n".join(auto_lines(result) + ([f"wrote {args.write}"] if args.write else [])))
+
+
+def _train_auto(job, args: argparse.Namespace):
+    """``train --auto``: the job with the layout ``plan --auto`` picks at the launched world."""
+    from fsdp_turbo.cli.auto_plan import with_best
+    from fsdp_turbo.cli.job_config import JobConfig
+
+    result = _search(job, args, _static_world(args))
+    print(f"fsdp-turbo: --auto picked {result.best.choice.describe()} (predicted peak "
+          f"{result.best.peak / 2**20:,.1f} MiB a rank)", file=sys.stderr)
+    return JobConfig.from_dict(with_best(job, result))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,12 @@ package: everything it shows comes from the plans' ``describe()`` and ``estimate
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
 from fsdp_turbo.cli.attention_kinds import attention_lines
 from fsdp_turbo.cli.job_config import JobConfig
 from fsdp_turbo.cli.model import build_model
@@ -71,25 +77,43 @@ def facts_lines(facts: ModelFacts) -> list[str]:
     return ["model facts:"] + [f"  {row.label:<{width}}  {row.value}  [{row.source}]" for row in rows]
 
 
+@dataclass(frozen=True)
+class Planned:
+    """One planned job: what ``plan`` prints, the memory estimate, and the JSON summary."""
+
+    lines: list[str]
+    memory: MemoryEstimate
+    summary: dict[str, Any]
+    model_memory: MemoryModel  # what the estimate was computed from
+
+
 def make_plan(job: JobConfig, world_size: int | None = None, *,
               nodes: NodeLayout | None = None) -> tuple[list[str], MemoryEstimate]:
     """The plan's lines and memory estimate. Raises ``ConfigError`` as ``train`` would.
     ``nodes`` adds the placement block, and sets the world size (``nodes.world``)."""
+    planned = plan_job(job, world_size, nodes=nodes)
+    return planned.lines, planned.memory
+
+
+def plan_job(job: JobConfig, world_size: int | None = None, *, nodes: NodeLayout | None = None,
+             model: nn.Module | None = None) -> Planned:
+    """``make_plan`` with the JSON summary; ``model`` (the job's, on the meta device) saves
+    building it again when one search plans many layouts of the same job."""
     world = nodes.world if nodes is not None else world_size or default_world_size(job)
     sizes = job_sizes(job, world).parallel  # the accumulation is checked too, as train checks it
-    model = build_model(job.model, job.peft)
+    model = model if model is not None else build_model(job.model, job.peft)
     # train runs every job under torchrun, so this plans for a launched job (FSDP is on
     # even at world size 1); planning communicates nothing and builds no mesh.
     state = ParallelState(sizes, rank=0, device_type=detect_device_type(job.turbo.device_type), distributed=True)
     facts = model_facts(job.turbo, model)
     planned = plan_transforms(job.turbo, model, state, facts=facts)
-    model_memory = MemoryModel.of(model, job.run.micro_batch * job.data.seq_len, facts)
+    tokens = job.run.micro_batch * job.data.seq_len
+    model_memory = MemoryModel.of(model, tokens, facts, device_type=state.device_type)
     for _, plan in planned:
         plan.estimate(model_memory)
     memory = model_memory.totals()
-    weights = _weights_line(job, model_memory)
-    lines = [f"FSDPTurbo plan: {type(model).__name__}, "
-             f"{sum(p.numel() for p in model.parameters()):,} parameters, world size {world}",
+    parameters = sum(p.numel() for p in model.parameters())
+    lines = [f"FSDPTurbo plan: {type(model).__name__}, {parameters:,} parameters, world size {world}",
              *facts_lines(facts),
              *attention_lines(facts, [plan for _, plan in planned]),
              f"mesh: {state.describe()}",
@@ -101,7 +125,7 @@ def make_plan(job: JobConfig, world_size: int | None = None, *,
                      f"{coords['tp']:2d}  |  {coords['edp']:3d}  {coords['efsdp']:5d}  {coords['ep']:2d}")
     if nodes is not None:
         lines += placement_lines(sizes, nodes)
-    lines.append(weights)
+    lines.append(_weights_line(job, model_memory))
     ignored = ignored_fields(job.turbo, state)
     if ignored:
         lines.append("ignored, their features are off: " + ", ".join(ignored))
@@ -109,12 +133,38 @@ def make_plan(job: JobConfig, world_size: int | None = None, *,
     for _, plan in planned:
         for row in (row for row in plan.describe() if not row.kind):  # kind rows: in the attention block
             lines.append(f"  {row.label}: {', '.join(compress_names(list(row.names))) if row.names else '(none)'}")
+    lines += memory_lines(job, model_memory, memory)
+    summary = {
+        "model": type(model).__name__, "parameters": parameters, "world_size": world,
+        "mesh": {name: getattr(sizes, name) for name in MESH_DIMS},
+        "transforms": [t.name for t, _ in planned],
+        "micro_batch": job.run.micro_batch, "grad_accum": job.run.grad_accum, "seq_len": job.data.seq_len,
+        "tokens_per_rank": model_memory.tokens, "device_type": state.device_type,
+        "memory": memory_summary(memory),
+    }
+    return Planned(lines, memory, summary, model_memory)
+
+
+MESH_DIMS = ("dp_replicate", "fsdp", "cp", "tp", "edp", "efsdp", "ep")
+
+
+def memory_summary(memory: MemoryEstimate) -> dict[str, Any]:
+    """The estimate as JSON: the model state, saved activations, each moment of the step and
+    its transient terms, and ``peak_bytes``: the largest moment (bytes on the largest rank)."""
+    return {"parameters": memory.parameters, "gradients": memory.gradients, "optimizer_states": memory.optimizer,
+            "model_state": memory.model_state, "frozen_parameters": memory.frozen,
+            "saved_activations": memory.activations, "transients": dict(memory.transients),
+            "phases": dict(memory.phases), "peak_phase": memory.peak_phase, "peak_bytes": memory.peak,
+            "all_gathered_per_step": memory.gathered}
+
+
+def memory_lines(job: JobConfig, model_memory: MemoryModel, memory: MemoryEstimate) -> list[str]:
     on_host = "" if model_memory.optimizer_on_device else " (on the host: swap_optimizer)"
     tokens = job.run.micro_batch * job.data.seq_len
     # a feature that splits the sequence (context parallel) says so in its estimate
     split = "" if model_memory.tokens == tokens else (
         f"; {model_memory.tokens // job.run.micro_batch} tokens a sequence on each rank")
-    lines += [
+    lines = [
         "memory per rank (estimate):",
         f"  parameters        {memory.parameters / MIB:10.2f} MiB"
         + (f" ({(memory.parameters - memory.frozen) / MIB:.2f} trainable, {memory.frozen / MIB:.2f} frozen)"
@@ -122,13 +172,18 @@ def make_plan(job: JobConfig, world_size: int | None = None, *,
         f"  gradients         {memory.gradients / MIB:10.2f} MiB",
         f"  optimizer states  {memory.optimizer / MIB:10.2f} MiB{on_host}",
         f"  model state       {memory.model_state / MIB:10.2f} MiB",
-        f"  activations       {memory.activations / MIB:10.2f} MiB per micro-batch "
+        f"  activations       {memory.activations / MIB:10.2f} MiB saved per micro-batch "
         f"({job.run.micro_batch} x {job.data.seq_len} tokens{split})",
+        f"  peak              {memory.peak / MIB:10.2f} MiB at {memory.peak_phase} "
+        f"(one training step, {model_memory.device_type})",
+        "  moments of the step: " + ", ".join(f"{name} {value / MIB:.2f}" for name, value in memory.phases.items()),
+        "  transient terms: " + ", ".join(f"{name} {value / MIB:.2f}" for name, value in memory.transients.items()
+                                         if value),
     ]
     if memory.gathered:
         lines.append(f"FSDP all-gathers per rank: {memory.gathered / MIB:.2f} MiB received per step "
                      "(forward and backward)")
-    return lines, memory
+    return lines
 
 
 def _weights_line(job: JobConfig, memory: MemoryModel) -> str:
@@ -149,7 +204,7 @@ _ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1
 
 
 def print_plan(job: JobConfig, world_size: int | None = None, *, nnodes: int | None = None,
-               nproc_per_node: int | None = None) -> None:
+               nproc_per_node: int | None = None, as_json: bool = False) -> None:
     nodes = node_layout(job, world_size, nnodes, nproc_per_node)
-    lines, _ = make_plan(job, world_size, nodes=nodes)
-    print("\n".join(lines))
+    planned = plan_job(job, world_size, nodes=nodes)
+    print(json.dumps(planned.summary, indent=2) if as_json else "\n".join(planned.lines))

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_turbo.core.logging import get_logger
-from fsdp_turbo.core.memory_estimate import FP32
+from fsdp_turbo.core.memory_estimate import FP32, ROOT_UNIT
 from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.parallel_state import ParallelState, expert_shard_dim
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow, Plans, Stage, Transform
@@ -32,6 +32,12 @@ _log = get_logger(__name__)
 
 def _inside(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _innermost_unit(parameter: str, unit_of: dict[str, str]) -> str:
+    """The FSDP unit holding ``parameter``: its innermost wrapped module's, else the root's."""
+    holders = [member for member in unit_of if _inside(parameter, (member,))]
+    return unit_of[max(holders, key=len)] if holders else ROOT_UNIT
 
 
 Prefetch = tuple[tuple[str, tuple[str, ...]], ...]  # FSDP module -> the modules it prefetches; "" is the root
@@ -67,6 +73,9 @@ class FSDPPlan(FeaturePlan):
         dtype = self.settings.param_dtype
         gather_bytes = dtype.itemsize if isinstance(dtype, torch.dtype) else FP32
         units = tuple(member for unit in self.units for member in self.members(unit))
+        unit_of = {member: unit for unit in self.units for member in self.members(unit)}
+        unit_of.update({name: name for name in self.experts})
+        memory.backward_prefetch = max(1, self.settings.num_to_backward_prefetch)  # FSDP2 prefetches one itself
         for name, layout in memory.params.items():
             if _inside(name, self.experts):
                 layout.shards = self.expert_shards
@@ -77,6 +86,9 @@ class FSDPPlan(FeaturePlan):
             if layout.gather_bytes_per_element is None:  # MX bytes where the quantize plan set them
                 layout.gather_bytes_per_element = gather_bytes
             layout.gathers = self._gathers(name, units)
+            if not _inside(name, self.ignored):
+                layout.unit = _innermost_unit(name, unit_of)
+                layout.unsharded_bytes_per_element = gather_bytes
 
     def _gathers(self, parameter: str, units: tuple[str, ...]) -> int:
         """All-gathers of ``parameter`` a step: again in backward where its unit reshards after

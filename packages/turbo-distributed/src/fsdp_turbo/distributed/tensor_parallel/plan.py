@@ -153,6 +153,8 @@ class TPPlan(FeaturePlan):
                 memory.params[parameter].shape[dim] //= self.tp
         if self.loss_head is not None:
             memory.vocab_shards = self.tp
+        memory.layer.tp = self.tp
+        memory.layer.sequence_parallel = any(kind is StyleKind.SEQUENCE_PARALLEL for kind in self.kinds.values())
 
 
 def _shard_dims(name: str, module: nn.Module, kind: StyleKind) -> list[tuple[str, int]]:

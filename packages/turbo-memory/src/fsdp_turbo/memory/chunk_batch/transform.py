@@ -33,7 +33,7 @@ class ChunkBatchPlan(FeaturePlan):
         # A recomputed block re-runs one slice at a time: its re-run peak is a slice's. The
         # forward's transient peak shrinks too, which this model (saved activations) does not hold.
         if self.recomputed:
-            memory.rerun //= self.num_chunks
+            memory.rerun_slices = self.num_chunks
 
 
 class ChunkBatchTransform(Transform):

@@ -31,10 +31,9 @@ class RecomputePlan(FeaturePlan):
         return (PlanRow("recompute_plan", self.blocks),)
 
     def estimate(self, memory: MemoryModel) -> None:
-        # A checkpointed layer keeps its input (selective: about 8 H values a token), and
+        # A checkpointed layer keeps its input (selective: and what the save ops return), and
         # one layer's full activations live while it re-runs.
-        memory.rerun = memory.per_layer
-        memory.per_layer = memory.hidden * (8 if self.policy == "selective" else 1)
+        memory.recompute = "full" if self.save_ops is None else "selective"
 
 
 class RecomputeTransform(Transform):
