@@ -4,10 +4,11 @@ ranked by a stated cost model.
 The search tries every split of the world into ``dp_replicate x fsdp x cp x tp`` (TP where
 the job has a ``tp_plan`` or the model's config names one), every expert-parallel size that
 divides the experts (MoE models), recompute off / selective / full, the chunked loss off /
-on, the optimizer swap off / on (accelerators only: on CPU the host is the device), and each
-micro-batch that keeps the job's global batch. Each candidate is planned by the same planner
-``train`` runs (``plan.plan_job``): a layout the library refuses is not a candidate (they
-are counted), and its memory is the estimate ``plan`` prints (``core.memory_estimate``).
+on, the optimizer and activation swaps off / on (accelerators only: on CPU the host is the
+device), and each micro-batch that keeps the job's global batch. Each candidate is planned
+by the same planner ``train`` runs (``plan.plan_job``): a layout the library refuses is not
+a candidate (they are counted), and its memory is the estimate ``plan`` prints
+(``core.memory_estimate``).
 
 The cost of a step on one rank, in seconds, is the sum of three terms (no overlap assumed):
 
@@ -21,8 +22,9 @@ The cost of a step on one rank, in seconds, is the sum of three terms (no overla
   forward gather, backward gather and gradient), EP's dispatch and combine (4 x top_k x H
   a token and MoE layer);
 - ``memory traffic``: selective recompute re-runs the elementwise ops (their activations
-  written again, over ``--memory-bandwidth``), and the optimizer swap moves the AdamW states
-  to the device and back every step (over ``--host-bandwidth``).
+  written again, over ``--memory-bandwidth``); the optimizer swap moves the AdamW states to
+  the device and back every step, the activation swap the layers' saved activations every
+  micro-batch (over ``--host-bandwidth``).
 
 Among the candidates whose predicted peak fits ``--memory-per-rank``, the fastest wins;
 ties go to the smaller peak.
@@ -85,6 +87,7 @@ class Choice:
     recompute: str | None
     chunk_loss: bool
     swap_optimizer: bool
+    swap_activation: bool
     micro_batch: int
     grad_accum: int
 
@@ -92,7 +95,8 @@ class Choice:
         sizes = " x ".join(f"{name}{size}" for name, size in (("dp", self.dp), ("fsdp", self.fsdp), ("cp", self.cp),
                                                              ("tp", self.tp), ("ep", self.ep)) if size > 1)
         features = [f"recompute {self.recompute}" if self.recompute else "", "chunked loss" if self.chunk_loss else "",
-                    "optimizer swap" if self.swap_optimizer else ""]
+                    "optimizer swap" if self.swap_optimizer else "",
+                    "activation swap" if self.swap_activation else ""]
         return ", ".join([sizes or "fsdp1", *filter(None, features),
                           f"micro-batch {self.micro_batch} x {self.grad_accum}"])
 
@@ -190,10 +194,11 @@ def _choices(world: int, tp_allowed: bool, experts: int, rows: int, on_device: b
                 fsdp = world // (tp * cp * dp)
                 eps = [ep for ep in _divisors(world // tp) if experts and experts % ep == 0] or [1]
                 per_shard = rows // (dp * fsdp)
-                for ep, recompute, chunk, swap, micro in itertools.product(
-                        eps, (None, "selective", "full"), (False, True), (False, True) if on_device else (False,),
-                        _divisors(per_shard)):
-                    yield Choice(dp, fsdp, cp, tp, ep, recompute, chunk, swap, micro, per_shard // micro)
+                swaps = (False, True) if on_device else (False,)  # on CPU the host is the device
+                for ep, recompute, chunk, swap, swap_activation, micro in itertools.product(
+                        eps, (None, "selective", "full"), (False, True), swaps, swaps, _divisors(per_shard)):
+                    yield Choice(dp, fsdp, cp, tp, ep, recompute, chunk, swap, swap_activation, micro,
+                                 per_shard // micro)
 
 
 def _rows_per_step(job: JobConfig, world: int) -> int:
@@ -220,7 +225,8 @@ def _turbo(section: dict[str, Any], choice: Choice, tp_plan: dict[str, Any] | No
     turbo = {**section, "data_parallel_size": choice.dp, "fully_shard_parallel_size": choice.fsdp,
              "context_parallel_size": choice.cp, "tensor_parallel_size": choice.tp,
              "expert_parallel_size": choice.ep, "recompute": choice.recompute is not None,
-             "chunk_loss": choice.chunk_loss, "swap_optimizer": choice.swap_optimizer}
+             "chunk_loss": choice.chunk_loss, "swap_optimizer": choice.swap_optimizer,
+             "swap_activation": choice.swap_activation}
     if choice.recompute:
         turbo["recompute_policy"] = choice.recompute
     if choice.chunk_loss:
@@ -307,6 +313,8 @@ def _costed(choice: Choice, turbo: dict[str, Any], run: dict[str, Any], planned:
         traffic += micro_batches * model_memory.layers * model_memory.rerun() / hardware.memory
     if choice.swap_optimizer:
         traffic += 2 * 2 * memory.gradients / hardware.host  # the two AdamW states, in and out
+    if choice.swap_activation:
+        traffic += micro_batches * 2 * model_memory.saved_layers() / hardware.host  # out in forward, back in backward
     return Candidate(choice, turbo, run, memory.peak, flops / hardware.flops,
                      micro_batches * received / hardware.link, traffic)
 

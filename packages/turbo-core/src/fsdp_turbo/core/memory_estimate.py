@@ -23,12 +23,13 @@ and attention output; full recompute the input alone, and one layer's worth whil
 
 **The peak** is the largest of the moments a step passes through (``phases``):
 - ``loss``: the backward's start. All saved activations, the root unit's gathered
-  parameters (kept from forward), the next unit's prefetched gather, and the loss: the
+  parameters (kept from forward), the next units' prefetched gathers (the backward prefetch
+  depth: FSDP2's implicit one, or ``fsdp_plan.num_to_backward_prefetch``), and the loss: the
   log-softmax the cross-entropy keeps plus the two logits-sized gradients of its backward
   (three logits' worth). The chunked loss runs in forward instead: one chunk of logits,
   the head's weight gradient and the hidden states' gradient;
 - ``layer backward``: the last layer's backward, with every activation still saved, its
-  unit and the prefetched one gathered, the head's gradient, a recomputed layer's re-run,
+  unit and the prefetched ones gathered, the head's gradient, a recomputed layer's re-run,
   and the backward's own temporaries (about three of the layer's widest intermediates);
 - ``layer reduce-scatter``: a unit's unsharded gradients copied into FSDP's reduce-scatter
   buffer;
@@ -309,7 +310,7 @@ class MemoryModel:
         root = units.get(ROOT_UNIT, 0)
         layer_units = self._layer_units() or [0]
         unit, unit_grads = max(layer_units), max(self._layer_units(grads=True) or [0])
-        prefetched = unit * min(self.backward_prefetch, 1)
+        prefetched = unit * min(self.backward_prefetch, max(self.layers - 1, 0))  # up to the prefetch depth
         logits = self.logits()
         late = self._root_late_grads()
         root_grads = self._unit_bytes(grads=True).get(ROOT_UNIT, 0)
