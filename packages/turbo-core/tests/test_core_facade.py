@@ -87,6 +87,10 @@ OFF_FEATURE_VALUES = {
     "swap_force": True,
     "compile_plan": ["model.layers.*"],
     "compile_backend": "aot_eager",
+    "pipeline_schedule": "gpipe",
+    "pipeline_microbatches": 4,
+    "pipeline_stages_per_rank": 2,
+    "pipeline_split_points": [1],
 }
 
 

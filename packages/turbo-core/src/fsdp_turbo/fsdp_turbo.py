@@ -93,9 +93,10 @@ def model_facts(config: FSDPTurboConfig, model: nn.Module, transforms: Transform
 
 
 def plan_transforms(config: FSDPTurboConfig, model: nn.Module, state: ParallelState,
-                    transforms: TransformRegistry = registry, facts: ModelFacts | None = None) -> list[Planned]:
+                    transforms: TransformRegistry = registry, facts: ModelFacts | None = None,
+                    skip: tuple[str, ...] = ()) -> list[Planned]:
     """Plan every enabled feature from the model facts (resolved here unless given); return
-    the plans in the order to apply them. No collectives."""
+    the plans in the order to apply them (``skip``: features left out). No collectives."""
     facts = facts if facts is not None else model_facts(config, model, transforms)
     for feature in requested_features(config, state):
         if transforms.get(feature.transform) is None:
@@ -104,7 +105,7 @@ def plan_transforms(config: FSDPTurboConfig, model: nn.Module, state: ParallelSt
     if ignored:
         _log.warning("ignored, their features are off: " + ", ".join(f"{field} ({feature} is off)"
                                                                       for field, feature in ignored.items()))
-    enabled = [t for t in transforms.all() if t.is_enabled(config, state)]
+    enabled = [t for t in transforms.all() if t.is_enabled(config, state) and t.name not in skip]
     plans: dict[str, FeaturePlan] = {}
     for transform in planning_order(enabled):
         upstream = MappingProxyType({name: plans.get(name) for name in transform.requires})
@@ -144,6 +145,9 @@ def FSDPTurbo(config: FSDPTurboConfig | Mapping[str, Any] | str | Path, model: M
     record_blueprint(model)
     _ensure_process_group(state, planned)
     honour_ignore_index(model, facts.ignore_index)
+    splitter = next((item for item in planned if item.transform.splits_model), None)
+    if splitter is not None:
+        return _pipelined(config, model, state, planned, splitter)
     for transform, plan in planned:
         _log.info(f"applying {transform.name}")
         model = transform.apply(model, plan, state)
@@ -158,3 +162,28 @@ def FSDPTurbo(config: FSDPTurboConfig | Mapping[str, Any] | str | Path, model: M
         guard_meta_model(model)  # until load_pretrained or init_weights gives it weights
     _log.info(f"FSDPTurbo ready: {state.describe()}; transforms={[t.name for t, _ in planned]}")
     return model
+
+
+def _pipelined(config: FSDPTurboConfig, model: M, state: ParallelState, planned: list[Planned],
+               splitter: Planned) -> M:
+    """Pipeline parallel: the whole model was planned (every check made on it), then it is
+    split into this rank's stages, and every other feature is planned and applied to each
+    stage as to a model of its own. The first stage is returned, with
+    ``model.fsdp_turbo_pipeline`` (the runner: ``step(input_ids, labels)``, ``parameters()``)."""
+    transform, plan = splitter
+    parts = []
+    for spec, part in transform.split(model, plan, state):
+        part_facts = resolve_model_facts(part, config.model_facts)
+        part_planned = plan_transforms(config, part, state, facts=part_facts, skip=(transform.name,))
+        for feature, part_plan in part_planned:
+            part = feature.apply(part, part_plan, state)
+        part.parallel_state = state
+        part.fsdp_turbo_config = config
+        part.fsdp_turbo_facts = part_facts
+        part.fsdp_turbo_plans = MappingProxyType({transform.name: plan, **{t.name: p for t, p in part_planned}})
+        parts.append((spec, part))
+    first = parts[0][1]
+    first.fsdp_turbo_pipeline = transform.join(parts, plan, state)
+    _log.info(f"FSDPTurbo ready: {state.describe()}; transforms={[t.name for t, _ in planned]}")
+    return first
+

@@ -80,6 +80,7 @@ SCALE_MODES = ("floor", "rceil")
 LOW_PRECISION_GATHER_MODES = ("on-demand", "all")
 FSDP_IMPLEMENTATIONS = ("native",)  # torch's fully_shard; the upstream's fine-grained FSDP is not here
 RECOMPUTE_POLICIES = ("full", "selective")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
 
 
 def _set(obj: Any, name: str, value: Any) -> None:
@@ -622,6 +623,32 @@ class FSDPTurboConfig(ConfigSection):
     cp_plan: CPPlanConfig | None = None
     """How context parallel splits attention. Unset: Ulysses with zig-zag load balance."""
 
+    pipeline_parallel_size: int = 1
+    """Pipeline stages' rank groups: the decoder layers are split into stages, each run by
+    ``world / pipeline_parallel_size`` ranks (which hold every other dimension of their own),
+    and micro-batches flow through them (``torch.distributed.pipelining``). More than 1 turns
+    it on; the training step is then ``model.fsdp_turbo_pipeline.step(input_ids, labels)``."""
+
+    pipeline_schedule: str = "1f1b"
+    """``gpipe`` (every forward, then every backward), ``1f1b`` (one forward, one backward),
+    ``interleaved_1f1b`` (several stages a rank, looped), ``zbv`` (zero-bubble V: two stages a
+    rank, the backward split into input and weight gradients) or ``dualpipev`` (DualPipe's V).
+    Default ``1f1b``."""
+
+    pipeline_microbatches: int | None = None
+    """Micro-batches each step's batch is split into for the pipeline; the batch's rows must
+    divide by it. Unset: the number of stages (``1f1b`` and ``dualpipev`` need at least that
+    many)."""
+
+    pipeline_stages_per_rank: int | None = None
+    """Stages each rank holds: 1 for ``gpipe`` and ``1f1b``; 2 for ``zbv`` and ``dualpipev``
+    (their V); 2 or more for ``interleaved_1f1b`` (unset: 2)."""
+
+    pipeline_split_points: tuple[int, ...] = ()
+    """The first decoder layer of every stage but the first, e.g. ``[10, 20, 30]`` for four
+    stages: declared splits. Empty (the default): the layers split evenly, which needs their
+    number to divide by the stages. Embedding and head go to the first and last stage."""
+
     recompute: bool = False
     """Whether activations of the picked blocks are recomputed in backward instead of kept
     (activation checkpointing). A boolean and an optional plan turn a memory feature on."""
@@ -692,6 +719,7 @@ class FSDPTurboConfig(ConfigSection):
         check_int(self.tensor_parallel_size, "tensor_parallel_size", minimum=1)
         check_int(self.expert_parallel_size, "expert_parallel_size", minimum=1)
         check_int(self.context_parallel_size, "context_parallel_size", minimum=1)
+        self._check_pipeline_fields()
         check_float(self.router_bias_update_rate, "router_bias_update_rate", minimum=0.0)
         if self.expert_fully_shard_parallel_size is not None:
             check_int(self.expert_fully_shard_parallel_size, "expert_fully_shard_parallel_size", minimum=1)
@@ -720,6 +748,20 @@ class FSDPTurboConfig(ConfigSection):
         _set(self, "module_patches", check_sections(
             self.module_patches, ModulePatch, "module_patches", allow_empty=True,
             example="[{target: pkg.module.Class.forward, replacement: my_pkg.fast_forward}]"))
+
+    def _check_pipeline_fields(self) -> None:
+        check_int(self.pipeline_parallel_size, "pipeline_parallel_size", minimum=1)
+        _set(self, "pipeline_schedule", check_choice(self.pipeline_schedule, "pipeline_schedule", PIPELINE_SCHEDULES))
+        if self.pipeline_microbatches is not None:
+            check_int(self.pipeline_microbatches, "pipeline_microbatches", minimum=1)
+        if self.pipeline_stages_per_rank is not None:
+            check_int(self.pipeline_stages_per_rank, "pipeline_stages_per_rank", minimum=1)
+        points = self.pipeline_split_points
+        if isinstance(points, str) or not isinstance(points, list | tuple) or not all(
+                isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in points) or list(points) != sorted(
+                set(points)):
+            raise ConfigError("pipeline_split_points", points, "give increasing layer indices >= 1, e.g. [10, 20, 30]")
+        _set(self, "pipeline_split_points", tuple(points))
 
     def _check_plans_match_sizes(self) -> None:
         tp = self.tensor_parallel_size
@@ -757,4 +799,5 @@ class FSDPTurboConfig(ConfigSection):
             tensor_parallel_size=self.tensor_parallel_size,
             expert_parallel_size=self.expert_parallel_size,
             expert_fully_shard_parallel_size=self.expert_fully_shard_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
         )

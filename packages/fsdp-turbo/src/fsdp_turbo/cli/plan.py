@@ -108,20 +108,26 @@ def plan_job(job: JobConfig, world_size: int | None = None, *, nodes: NodeLayout
     facts = model_facts(job.turbo, model)
     planned = plan_transforms(job.turbo, model, state, facts=facts)
     tokens = job.run.micro_batch * job.data.seq_len
-    model_memory = MemoryModel.of(model, tokens, facts, device_type=state.device_type)
-    for _, plan in planned:
-        plan.estimate(model_memory)
-    memory = model_memory.totals()
+    # one estimate per pipeline rank (its stages); the plan shows the largest
+    per_pp_rank = []
+    for pp_rank in range(sizes.pp):
+        estimate_model = MemoryModel.of(model, tokens, facts, device_type=state.device_type)
+        estimate_model.pp_rank = pp_rank
+        for _, plan in planned:
+            plan.estimate(estimate_model)
+        per_pp_rank.append((estimate_model, estimate_model.totals()))
+    model_memory, memory = max(per_pp_rank, key=lambda pair: pair[1].peak)
     parameters = sum(p.numel() for p in model.parameters())
     lines = [f"FSDPTurbo plan: {type(model).__name__}, {parameters:,} parameters, world size {world}",
              *facts_lines(facts),
              *attention_lines(facts, [plan for _, plan in planned]),
              f"mesh: {state.describe()}",
              f"transforms, in order: {', '.join(t.name for t, _ in planned) or 'none'}",
-             "ranks:  rank  dp_replicate  fsdp  cp  tp  |  edp  efsdp  ep"]
+             "ranks:  rank" + ("  pp" if sizes.pp > 1 else "") + "  dp_replicate  fsdp  cp  tp  |  edp  efsdp  ep"]
     for rank in range(world):
         coords = ParallelState(sizes, rank=rank, device_type=state.device_type, distributed=True).coordinates
-        lines.append(f"        {rank:4d}  {coords['dp_replicate']:12d}  {coords['fsdp']:4d}  {coords['cp']:2d}  "
+        pp = f"  {coords['pp']:2d}" if sizes.pp > 1 else ""
+        lines.append(f"        {rank:4d}{pp}  {coords['dp_replicate']:12d}  {coords['fsdp']:4d}  {coords['cp']:2d}  "
                      f"{coords['tp']:2d}  |  {coords['edp']:3d}  {coords['efsdp']:5d}  {coords['ep']:2d}")
     if nodes is not None:
         lines += placement_lines(sizes, nodes)
@@ -134,6 +140,9 @@ def plan_job(job: JobConfig, world_size: int | None = None, *, nodes: NodeLayout
         for row in (row for row in plan.describe() if not row.kind):  # kind rows: in the attention block
             lines.append(f"  {row.label}: {', '.join(compress_names(list(row.names))) if row.names else '(none)'}")
     lines += memory_lines(job, model_memory, memory)
+    if sizes.pp > 1:
+        lines.append("peak per pipeline rank: " + ", ".join(
+            f"pp {rank} {estimate.peak / MIB:.2f} MiB" for rank, (_, estimate) in enumerate(per_pp_rank)))
     summary = {
         "model": type(model).__name__, "parameters": parameters, "world_size": world,
         "mesh": {name: getattr(sizes, name) for name in MESH_DIMS},
@@ -142,6 +151,9 @@ def plan_job(job: JobConfig, world_size: int | None = None, *, nodes: NodeLayout
         "tokens_per_rank": model_memory.tokens, "device_type": state.device_type,
         "memory": memory_summary(memory),
     }
+    if sizes.pp > 1:
+        summary["pipeline_ranks"] = [{"pp_rank": rank, **memory_summary(estimate)}
+                                     for rank, (_, estimate) in enumerate(per_pp_rank)]
     return Planned(lines, memory, summary, model_memory)
 
 
@@ -160,10 +172,12 @@ def memory_summary(memory: MemoryEstimate) -> dict[str, Any]:
 
 def memory_lines(job: JobConfig, model_memory: MemoryModel, memory: MemoryEstimate) -> list[str]:
     on_host = "" if model_memory.optimizer_on_device else " (on the host: swap_optimizer)"
-    tokens = job.run.micro_batch * job.data.seq_len
-    # a feature that splits the sequence (context parallel) says so in its estimate
-    split = "" if model_memory.tokens == tokens else (
-        f"; {model_memory.tokens // job.run.micro_batch} tokens a sequence on each rank")
+    # context parallel splits the sequences, a pipeline the batch into micro-batches
+    cp = job.turbo.context_parallel_size
+    split = f"; {job.data.seq_len // cp} tokens a sequence on each rank" if cp > 1 else ""
+    if job.turbo.pipeline_parallel_size > 1:
+        split += (f"; pipeline micro-batches of {model_memory.tokens} tokens, {model_memory.in_flight} kept at once "
+                  "on the rank shown")
     lines = [
         "memory per rank (estimate):",
         f"  parameters        {memory.parameters / MIB:10.2f} MiB"

@@ -36,6 +36,7 @@ def _fully_shard(config: FSDPTurboConfig, state: ParallelState) -> bool:
 
 
 FEATURES: tuple[Feature, ...] = (
+    Feature("pipeline_parallel", "turbo-distributed", "pipeline_parallel_size", lambda c, s: s.pp_size > 1),
     Feature("quantize", "turbo-quant", "quantization_plan", lambda c, s: c.quantization_plan is not None),
     Feature("tensor_parallel", "turbo-distributed", "tensor_parallel_size", lambda c, s: s.tp_size > 1),
     Feature("expert_parallel", "turbo-distributed", "expert_parallel_size", lambda c, s: s.ep_size > 1),
@@ -64,6 +65,8 @@ def requested_features(config: FSDPTurboConfig, state: ParallelState) -> list[Fe
 # (swap_force) is ignored only when all of them are off. (fsdp_plan is absent: setting it
 # turns FSDP on; quantization_plan is its feature's switch; model_facts serve every feature.)
 FEATURE_FIELDS: dict[str, tuple[str, ...]] = {
+    "pipeline_parallel": ("pipeline_schedule", "pipeline_microbatches", "pipeline_stages_per_rank",
+                          "pipeline_split_points"),
     "tensor_parallel": ("tp_plan",),
     "expert_parallel": ("ep_plan", "expert_fully_shard_parallel_size"),
     "context_parallel": ("cp_plan",),

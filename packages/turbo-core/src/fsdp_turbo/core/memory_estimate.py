@@ -195,6 +195,8 @@ class MemoryModel:
     optimizer_on_device: bool = True
     backward_prefetch: int = 1  # FSDP units gathered ahead in backward (FSDP2's implicit one)
     device_type: str = "cpu"
+    pp_rank: int = 0  # pipeline parallel: the pp coordinate whose stages are estimated
+    in_flight: int = 1  # pipeline parallel: micro-batches whose activations a rank keeps at once
 
     @classmethod
     def of(cls, model: nn.Module, tokens: int, facts: ModelFacts, *, device_type: str = "cpu") -> MemoryModel:
@@ -222,7 +224,7 @@ class MemoryModel:
         return self.layer.saved()
 
     def saved_layers(self) -> int:
-        kept = self.layers * self.tokens * self._per_layer_kept()
+        kept = self.layers * self.tokens * self._per_layer_kept() * self.in_flight
         if self.swapped:
             kept = min(kept, 2 * kept / max(self.layers, 1))
         return math.ceil(kept * FP32)
@@ -236,7 +238,7 @@ class MemoryModel:
 
     def logits(self) -> int:
         rows = min(self.tokens, self.logit_chunk) if self.logit_chunk else self.tokens
-        return rows * math.ceil(self.vocab / self.vocab_shards) * FP32
+        return rows * math.ceil(self.vocab / self.vocab_shards) * FP32  # vocab 0: a stage without the head
 
     def rerun(self) -> int:
         """What a recomputed layer makes again in its backward: its activations, less what the

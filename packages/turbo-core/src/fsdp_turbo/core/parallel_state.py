@@ -6,7 +6,8 @@ they can be validated on every rank before any collective. The device meshes
 
 Dense mesh ``(dp_replicate, fsdp, cp, tp)`` and expert mesh ``(edp, efsdp, ep)``
 both span the whole world in row-major rank order; the expert mesh borrows the
-ranks of the dense one, as torchtitan does.
+ranks of the dense one, as torchtitan does. With pipeline parallel both meshes lead with
+``pp``: each pipeline stage's ranks hold a whole dense (and expert) mesh of their own.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fsdp_turbo.core.errors import ConfigError
 
 DENSE_DIMS = ("dp_replicate", "fsdp", "cp", "tp")
 EXPERT_DIMS = ("edp", "efsdp", "ep")
+PP_DIM = "pp"  # leads both meshes when pipeline_parallel_size > 1
 
 
 @dataclass(frozen=True)
@@ -37,14 +39,27 @@ class ParallelSizes:
     edp: int
     efsdp: int
     ep: int
+    pp: int = 1  # pipeline stages' rank groups (the outermost dim)
 
     @property
     def dense_shape(self) -> tuple[int, ...]:
-        return (self.dp_replicate, self.fsdp, self.cp, self.tp)
+        return (*self._lead, self.dp_replicate, self.fsdp, self.cp, self.tp)
 
     @property
     def expert_shape(self) -> tuple[int, ...]:
-        return (self.edp, self.efsdp, self.ep)
+        return (*self._lead, self.edp, self.efsdp, self.ep)
+
+    @property
+    def dense_dims(self) -> tuple[str, ...]:
+        return ((PP_DIM,) if self.pp > 1 else ()) + DENSE_DIMS
+
+    @property
+    def expert_dims(self) -> tuple[str, ...]:
+        return ((PP_DIM,) if self.pp > 1 else ()) + EXPERT_DIMS
+
+    @property
+    def _lead(self) -> tuple[int, ...]:
+        return (self.pp,) if self.pp > 1 else ()
 
     @property
     def dp_replicate_x_fsdp(self) -> int:
@@ -61,10 +76,17 @@ def resolve_parallel_sizes(
     tensor_parallel_size: int = 1,
     expert_parallel_size: int = 1,
     expert_fully_shard_parallel_size: int | None = None,
+    pipeline_parallel_size: int = 1,
 ) -> ParallelSizes:
-    """Resolve ``-1``/``None`` sizes and check that they tile ``world_size`` exactly."""
+    """Resolve ``-1``/``None`` sizes and check that they tile ``world_size`` exactly. With
+    pipeline parallel, every other size tiles one stage's ranks (``world / pp``)."""
     if world_size < 1:
         raise ConfigError("world_size", world_size, "launch at least one process")
+    pp = pipeline_parallel_size
+    if world_size % pp:
+        raise ConfigError("pipeline_parallel_size", pp, f"use a divisor of the world size {world_size}",
+                          reason="each pipeline stage needs the same number of ranks")
+    full_world, world_size = world_size, world_size // pp
     others = data_parallel_size * context_parallel_size * tensor_parallel_size
     launch = "launch with torchrun --nproc-per-node N, or change the sizes"
     if fully_shard_parallel_size == -1:
@@ -97,8 +119,8 @@ def resolve_parallel_sizes(
                               f"make expert_fully_shard_parallel_size x expert_parallel_size({ep}) divide "
                               f"the world size {world_size}, or leave it unset to derive it")
         edp = world_size // (efsdp * ep)
-    return ParallelSizes(world_size, data_parallel_size, fsdp, context_parallel_size,
-                         tensor_parallel_size, edp, efsdp, ep)
+    return ParallelSizes(full_world, data_parallel_size, fsdp, context_parallel_size,
+                         tensor_parallel_size, edp, efsdp, ep, pp)
 
 
 def expert_shard_dim(local_experts: int, efsdp: int) -> int:
@@ -142,9 +164,9 @@ class ParallelState:
         self.rank = rank
         self.device_type = device_type
         self.distributed = distributed
-        dense = dict(zip(DENSE_DIMS, _coordinates(rank, sizes.dense_shape), strict=True))
-        expert = dict(zip(EXPERT_DIMS, _coordinates(rank, sizes.expert_shape), strict=True))
-        self.coordinates: dict[str, int] = {**dense, **expert}
+        dense = dict(zip(sizes.dense_dims, _coordinates(rank, sizes.dense_shape), strict=True))
+        expert = dict(zip(sizes.expert_dims, _coordinates(rank, sizes.expert_shape), strict=True))
+        self.coordinates: dict[str, int] = {PP_DIM: 0, **dense, **expert}
         self._flattened: dict[str, DeviceMesh] = {}
 
     @classmethod
@@ -176,6 +198,8 @@ class ParallelState:
     cp_rank = property(lambda self: self.coordinates["cp"])
     tp_size = property(lambda self: self.sizes.tp)
     tp_rank = property(lambda self: self.coordinates["tp"])
+    pp_size = property(lambda self: self.sizes.pp)
+    pp_rank = property(lambda self: self.coordinates[PP_DIM])
     ep_size = property(lambda self: self.sizes.ep)
     ep_rank = property(lambda self: self.coordinates["ep"])
     edp_size = property(lambda self: self.sizes.edp)
@@ -184,11 +208,11 @@ class ParallelState:
     # ----- meshes -----------------------------------------------------------------------------
     @cached_property
     def dense_mesh(self) -> DeviceMesh:
-        return self._init_mesh(self.sizes.dense_shape, DENSE_DIMS)
+        return self._init_mesh(self.sizes.dense_shape, self.sizes.dense_dims)
 
     @cached_property
     def expert_mesh(self) -> DeviceMesh:
-        return self._init_mesh(self.sizes.expert_shape, EXPERT_DIMS)
+        return self._init_mesh(self.sizes.expert_shape, self.sizes.expert_dims)
 
     def _init_mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
         if not self.distributed:
@@ -198,9 +222,9 @@ class ParallelState:
         return init_device_mesh(self.device_type, shape, mesh_dim_names=names)
 
     def _root_for(self, names: tuple[str, ...]) -> DeviceMesh:
-        if set(names) <= set(DENSE_DIMS):
+        if set(names) <= set(self.sizes.dense_dims):  # 'pp' alone: the dense mesh's
             return self.dense_mesh
-        if set(names) <= set(EXPERT_DIMS):
+        if set(names) <= set(self.sizes.expert_dims):
             return self.expert_mesh
         raise KeyError(f"unknown or mixed mesh dims {names}; use dims of {DENSE_DIMS} or {EXPERT_DIMS}")
 
@@ -240,16 +264,19 @@ class ParallelState:
         """Every group of global ranks that differ only along the dense dim ``name``, each in
         that dim's order: what ``mesh(name)`` spans on each rank. For sub-groups that every
         rank must create in the same order (``torch.distributed.new_group``)."""
-        return rank_groups(self.sizes.dense_shape, (DENSE_DIMS.index(name),))
+        return rank_groups(self.sizes.dense_shape, (self.sizes.dense_dims.index(name),))
 
     def group(self, *names: str) -> torch.distributed.ProcessGroup:
         """The process group spanning ``names`` (flattened when several)."""
         return self.flat_mesh(*names).get_group()
 
     def describe(self) -> str:
-        dense = " ".join(f"{n}={s}" for n, s in zip(DENSE_DIMS, self.sizes.dense_shape, strict=True))
-        expert = " ".join(f"{n}={s}" for n, s in zip(EXPERT_DIMS, self.sizes.expert_shape, strict=True))
-        return f"world={self.world_size} [{dense}] experts[{expert}]"
+        pp = f" pp={self.sizes.pp}" if self.sizes.pp > 1 else ""
+        dense = " ".join(f"{n}={s}" for n, s in zip(DENSE_DIMS, self.sizes.dense_shape[-len(DENSE_DIMS):],
+                                                    strict=True))
+        expert = " ".join(f"{n}={s}" for n, s in zip(EXPERT_DIMS, self.sizes.expert_shape[-len(EXPERT_DIMS):],
+                                                     strict=True))
+        return f"world={self.world_size}{pp} [{dense}] experts[{expert}]"
 
     def __repr__(self) -> str:
         return f"ParallelState(rank={self.rank}, {self.describe()}, coords={self.coordinates})"

@@ -17,7 +17,7 @@ import abc
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
@@ -59,6 +59,7 @@ class Stage:
     group in a forward hook on the root's output, after both.
     """
 
+    PIPELINE = 50  # splits the model into this rank's stages; every other feature applies to each
     QUANTIZE = 100
     TENSOR_PARALLEL = 200
     EXPERT_PARALLEL = 300
@@ -124,6 +125,16 @@ class Transform(abc.ABC):
     name: str = ""
     stage: int = 0
     requires: tuple[str, ...] = ()
+    # A transform that splits the model (pipeline parallel) is not applied in place: the
+    # facade calls ``split`` (this rank's parts), applies every other feature to each part,
+    # then ``join`` (what runs them, attached to the first part).
+    splits_model: bool = False
+
+    def split(self, model: nn.Module, plan: FeaturePlan, parallel_state: ParallelState) -> list[tuple[Any, nn.Module]]:
+        raise NotImplementedError(f"{type(self).__name__} does not split the model")
+
+    def join(self, parts: list[tuple[Any, nn.Module]], plan: FeaturePlan, parallel_state: ParallelState) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not split the model")
 
     def is_enabled(self, config: FSDPTurboConfig, parallel_state: ParallelState) -> bool:
         """Whether the config asks for this feature. The built-in features answer from

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from fsdp_turbo.core.errors import ConfigError
-from fsdp_turbo.core.parallel_state import DENSE_DIMS, EXPERT_DIMS, ParallelSizes, rank_groups
+from fsdp_turbo.core.parallel_state import ParallelSizes, rank_groups
 
 # Each reported group: a name, the mesh it lies on, and the mesh dims it spans. ``fsdp_cp``
 # is the group FSDP shards over (``ParallelState.fsdp_mesh``), named as the flattened dim is.
@@ -166,7 +166,8 @@ def group_placement(sizes: ParallelSizes, layout: NodeLayout, name: str) -> Grou
     if layout.world != sizes.world:
         raise ValueError(f"{layout} holds {layout.world} ranks, but the sizes are for a world of {sizes.world}")
     mesh, dims = GROUPS[name]
-    shape, names = (sizes.dense_shape, DENSE_DIMS) if mesh == "dense" else (sizes.expert_shape, EXPERT_DIMS)
+    dense = mesh == "dense"
+    shape, names = (sizes.dense_shape, sizes.dense_dims) if dense else (sizes.expert_shape, sizes.expert_dims)
     groups = tuple(tuple(g) for g in rank_groups(shape, tuple(names.index(d) for d in dims)))
     nodes = tuple(tuple(sorted({layout.node_of(rank) for rank in group})) for group in groups)
     return GroupPlacement(name, groups, nodes)
