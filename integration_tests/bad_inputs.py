@@ -171,6 +171,12 @@ CASES: dict[str, Case] = {
     "fsdp size is not the world": _config({"fully_shard_parallel_size": 3}),
     "dp does not divide the world": _config({"data_parallel_size": 3}),
     "tp without a plan": _config({"tensor_parallel_size": 2}),
+    "pipeline size does not divide the world": _config({"pipeline_parallel_size": 3}),
+    "pipeline layers do not split into the stages": _config({"pipeline_parallel_size": 2,
+                                                              "pipeline_schedule": "interleaved_1f1b"}),
+    "pipeline micro-batches below the stages": _config({"pipeline_microbatches": 1, "pipeline_parallel_size": 2}),
+    "pipeline in fsdp-turbo train": _job({"turbo": {"pipeline_parallel_size": 2}},
+                                         "fsdp-turbo train does not run pipeline stages yet"),
     "tp pattern matches nothing": Case("config", lambda _i: _facade(
         {"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": ["*.nothing"]}}), "tp_plan.colwise_parallel"),
     "tp on a non-Linear": Case("config", lambda _i: _facade(

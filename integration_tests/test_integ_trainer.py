@@ -223,6 +223,12 @@ def test_parallelism_config_is_refused(tmp_path):
         _construct(tmp_path, parallelism_config=ParallelismConfig(dp_shard_size=1))
 
 
+def test_a_pipeline_is_refused_by_name(tmp_path):
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2 is invalid: the Trainer calls the model's "
+                                          r"forward.*Fix: train a pipelined model through"):
+        _construct(tmp_path, config={"pipeline_parallel_size": 2})
+
+
 def test_deepspeed_is_refused(tmp_path):
     trainer_cls = with_fsdp_turbo(transformers.Trainer)
     args = training_arguments(str(tmp_path), PER_RANK)

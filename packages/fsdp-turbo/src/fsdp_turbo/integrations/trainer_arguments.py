@@ -129,6 +129,10 @@ def check_training_arguments(args: Any, config: FSDPTurboConfig) -> FSDPTurboCon
     features and the precision the arguments ask for (``adopt_owned_features``, ``adopt_mixed_precision``). No
     collectives."""
     _refuse_other_layouts(args)
+    if config.pipeline_parallel_size > 1:
+        raise ConfigError("pipeline_parallel_size", config.pipeline_parallel_size,
+                          "train a pipelined model through model.fsdp_turbo_pipeline.step, or set it to 1",
+                          reason="the Trainer calls the model's forward for each batch; a pipeline runs a schedule")
     config = adopt_owned_features(args, config)
     return adopt_mixed_precision(args, config)
 
