@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
-from fsdp_turbo.core.testing.parity import TrainRecord, full_tensor, make_token_batches, seed_everything, shard_rows
+from fsdp_turbo.core.testing.parity import TrainRecord, make_token_batches, seed_everything, train_pipeline_steps
 
 VOCAB = 256
 GLOBAL_BATCH = 8
@@ -25,27 +24,11 @@ def batches() -> list[torch.Tensor]:
 
 def pipeline_records(layouts: dict[str, tuple[int, dict]]) -> dict[str, TrainRecord]:
     """Each layout (decoder layers, FSDPTurbo config) trained for ``STEPS`` AdamW steps through
-    ``model.fsdp_turbo_pipeline.step``: the losses (mean over data shards) and this rank's
-    stages' first-step gradients, gathered whole."""
+    ``model.fsdp_turbo_pipeline.step``."""
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
     records = {}
     for name, (layers, config) in layouts.items():
         seed_everything(0)
-        model = FSDPTurbo(config, model_of(layers))
-        runner, state = model.fsdp_turbo_pipeline, model.parallel_state
-        optimizer = torch.optim.AdamW(list(runner.parameters()), lr=LR, foreach=False)
-        record = TrainRecord()
-        for step, batch in enumerate(batches()):
-            shard = shard_rows(batch, state.dp_rank, state.dp_size)
-            loss = runner.step(shard, shard.clone())
-            total = loss.detach().double().reshape(1).clone()
-            dist.all_reduce(total)  # every rank holds its data shard's loss
-            record.losses.append(float(total) / dist.get_world_size())
-            if step == 0:
-                record.grads = {name: full_tensor(p.grad) for part in runner.parts
-                                for name, p in part.named_parameters() if p.grad is not None}
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        records[name] = record
+        records[name] = train_pipeline_steps(FSDPTurbo(config, model_of(layers)), batches(), lr=LR)
     return records

@@ -1,7 +1,7 @@
 """Pipeline parallel against one process, in float32: the same model, data and seed, three
 AdamW steps through ``model.fsdp_turbo_pipeline.step``; losses rtol 2e-5 and the first
 step's gradients of every stage (rtol 1e-4, atol 1e-6). And the plan's rules, checked before
-anything runs."""
+anything runs. (Beside turbo-memory's recompute: integration_tests/test_integ_pipeline.py.)"""
 
 import pytest
 from pipeline_jobs import LR, batches, model_of, pipeline_records
@@ -30,8 +30,6 @@ FOUR_RANKS = {
     "PP=2 x FSDP=2 1f1b": (4, {"pipeline_parallel_size": 2, "fully_shard_parallel_size": 2}),
     "PP=2 x FSDP=2 interleaved 1f1b": (4, {"pipeline_parallel_size": 2, "fully_shard_parallel_size": 2,
                                            "pipeline_schedule": "interleaved_1f1b"}),
-    "PP=2 x FSDP=2 1f1b + full recompute": (4, {"pipeline_parallel_size": 2, "fully_shard_parallel_size": 2,
-                                                "recompute": True}),
     "PP=4 1f1b, 8 micro-batches": (8, {"pipeline_parallel_size": 4, "pipeline_microbatches": 8}),
 }
 

@@ -132,6 +132,25 @@ def train_steps(
     return record
 
 
+def train_pipeline_steps(model: nn.Module, batches: Sequence[torch.Tensor], *, lr: float = 1e-2) -> TrainRecord:
+    """``train_steps`` for a pipelined model (``pipeline_parallel_size > 1``): each batch (the
+    global one; this rank's data shard is taken here) through ``model.fsdp_turbo_pipeline.step``,
+    AdamW over every stage's parameters. The losses are averaged over data shards; the
+    first step's gradients are this rank's stages', gathered whole."""
+    runner, state = model.fsdp_turbo_pipeline, model.parallel_state
+    optimizer = torch.optim.AdamW(list(runner.parameters()), lr=lr, foreach=False)
+    record = TrainRecord()
+    for step, batch in enumerate(batches):
+        shard = shard_rows(batch, state.dp_rank, state.dp_size)
+        record.losses.append(_world_mean(runner.step(shard, shard.clone())))  # every rank: its shard's loss
+        if step == 0:
+            record.grads = {name: full_tensor(p.grad) for part in runner.parts
+                            for name, p in part.named_parameters() if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return record
+
+
 def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: full_tensor(p) for name, p in model.named_parameters()}
 
