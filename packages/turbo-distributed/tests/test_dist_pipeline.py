@@ -22,6 +22,7 @@ TWO_RANKS = {
     "PP=2 gpipe, 4 micro-batches": (4, {"pipeline_parallel_size": 2, "pipeline_schedule": "gpipe",
                                         "pipeline_microbatches": 4}),
     "PP=2 interleaved 1f1b": (4, {"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b"}),
+    "PP=2 zbv": (4, {"pipeline_parallel_size": 2, "pipeline_schedule": "zbv"}),
     "PP=2 interleaved 1f1b, 3 stages a rank, split unevenly": (
         8, {"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b", "pipeline_stages_per_rank": 3,
             "pipeline_split_points": [1, 3, 4, 6, 7], "pipeline_microbatches": 4}),
@@ -31,6 +32,9 @@ FOUR_RANKS = {
     "PP=2 x FSDP=2 interleaved 1f1b": (4, {"pipeline_parallel_size": 2, "fully_shard_parallel_size": 2,
                                            "pipeline_schedule": "interleaved_1f1b"}),
     "PP=4 1f1b, 8 micro-batches": (8, {"pipeline_parallel_size": 4, "pipeline_microbatches": 8}),
+    "PP=4 zbv": (8, {"pipeline_parallel_size": 4, "pipeline_schedule": "zbv"}),
+    "PP=2 x FSDP=2 dualpipev": (4, {"pipeline_parallel_size": 2, "fully_shard_parallel_size": 2,
+                                    "pipeline_schedule": "dualpipev"}),
 }
 
 
@@ -92,7 +96,8 @@ def _plan(layers=4, world=4, **fields):
     ({"pipeline_parallel_size": 3}, "pipeline_parallel_size=3 is invalid: .*each pipeline stage needs the same"),
     ({"pipeline_parallel_size": 4, "pipeline_schedule": "interleaved_1f1b"},
      "pipeline_stages_per_rank=8 is invalid: 4 layers do not split evenly into 8 stages"),
-    ({"pipeline_parallel_size": 2, "pipeline_schedule": "zbv"}, "pipeline_schedule='zbv' is invalid: the zero-bubble"),
+    ({"pipeline_parallel_size": 2, "pipeline_schedule": "zbv", "fsdp_plan": {"reshard_after_forward": True}},
+     "fsdp_plan.reshard_after_forward=True is invalid: .*'zbv' computes weight gradients in a pass of its own"),
     ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": ["*.q_proj"]}},
      "tensor_parallel_size=2 is invalid: pipeline parallel runs beside FSDP/HSDP and recompute only"),
     ({"pipeline_parallel_size": 2, "pipeline_schedule": "zero_bubble"}, "pipeline_schedule='zero_bubble' is invalid"),

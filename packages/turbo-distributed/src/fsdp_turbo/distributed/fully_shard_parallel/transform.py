@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.memory_estimate import FP32, ROOT_UNIT
 from fsdp_turbo.core.model_facts import ModelFacts
@@ -22,7 +23,7 @@ from fsdp_turbo.distributed.fully_shard_parallel.policies import (
     reshard_after_forward,
 )
 from fsdp_turbo.distributed.fully_shard_parallel.units import prefetch_plan, select_units
-from fsdp_turbo.fsdp_turbo_config import FSDPPlanConfig, FSDPTurboConfig
+from fsdp_turbo.fsdp_turbo_config import SPLIT_BACKWARD_SCHEDULES, FSDPPlanConfig, FSDPTurboConfig
 
 if TYPE_CHECKING:
     from fsdp_turbo.core.memory_estimate import MemoryModel
@@ -123,6 +124,22 @@ def _prefetch(units: tuple[str, ...], experts: tuple[str, ...], settings: FSDPPl
     return tuple(forward), tuple(backward)
 
 
+def pipeline_settings(config: FSDPTurboConfig, state: ParallelState) -> FSDPPlanConfig:
+    """The FSDP settings beside a pipeline schedule that splits its backward (zbv, dualpipev).
+    Its weight-gradient pass differentiates with respect to the parameters the stage holds
+    when the pass starts: gathered ones only if no unit resharded after forward, so the
+    units keep them (torchtitan's default under any pipeline); resharding is refused."""
+    settings = config.fsdp_plan
+    if state.pp_size == 1 or config.pipeline_schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return settings
+    if settings.reshard_after_forward not in (None, False):
+        raise ConfigError("fsdp_plan.reshard_after_forward", settings.reshard_after_forward,
+                          "leave it unset (or false), or use pipeline_schedule '1f1b' or 'interleaved_1f1b'",
+                          reason=f"pipeline_schedule {config.pipeline_schedule!r} computes weight gradients in a "
+                                 "pass of its own, after FSDP would have resharded the parameters")
+    return replace(settings, reshard_after_forward=False)
+
+
 def plan_fully_shard(model: nn.Module, settings: FSDPPlanConfig, state: ParallelState, facts: ModelFacts, *,
                      experts: tuple[str, ...] = (), chunked_head: str | None = None,
                      expert_divide_factor: float | None = None) -> FSDPPlan:
@@ -147,7 +164,7 @@ class FullyShardTransform(Transform):
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,
              upstream: Plans, facts: ModelFacts) -> FSDPPlan:
         experts, chunk_loss = upstream["expert_parallel"], upstream["chunk_loss"]
-        return plan_fully_shard(model, config.fsdp_plan, parallel_state, facts,
+        return plan_fully_shard(model, pipeline_settings(config, parallel_state), parallel_state, facts,
                                 experts=experts.container_names if experts is not None else (),
                                 chunked_head=chunk_loss.head if chunk_loss is not None else None,
                                 expert_divide_factor=experts.gradient_divide_factor if experts is not None else None)

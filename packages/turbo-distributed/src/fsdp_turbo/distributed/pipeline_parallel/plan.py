@@ -80,17 +80,7 @@ _NOT_COMPOSED = {
 }
 
 
-# Schedules whose backward splits into input and weight gradients: under FSDP here some
-# weight gradients come back missing or wrong (test_dist_pipeline's finding), so they are
-# refused until that is fixed
-_UNVERIFIED_SCHEDULES = ("zbv", "dualpipev")
-
-
 def _check_composable(config: FSDPTurboConfig) -> None:
-    if config.pipeline_schedule in _UNVERIFIED_SCHEDULES:
-        raise ConfigError("pipeline_schedule", config.pipeline_schedule, "use 'gpipe', '1f1b' or 'interleaved_1f1b'",
-                          reason="the zero-bubble schedules' split weight gradients do not yet match one process "
-                                 "beside FSDP")
     for field, on in _NOT_COMPOSED.items():
         if on(config):
             raise ConfigError(field, getattr(config, field), "turn it off, or pipeline_parallel_size to 1",
