@@ -1,6 +1,8 @@
 """Pipeline parallel beside the other packages' features, against one process in float32
 (three AdamW steps; losses rtol 2e-5, first-step gradients of every stage rtol 1e-4 / atol
-1e-6): PP=2 x FSDP=2 with full and selective recompute of every layer (turbo-memory)."""
+1e-6): recompute (full, selective), the chunked loss, chunk_batch, both swaps, compile
+(turbo-memory, turbo-core) and MXFP8 training (turbo-quant, whose one-process reference is
+the same MXFP8 model)."""
 
 import pytest
 
@@ -16,13 +18,21 @@ from fsdp_turbo.core.testing.parity import (
 )
 
 pytest.importorskip("transformers")
+PP2_FSDP2 = {"pipeline_parallel_size": 2, "fully_shard_parallel_size": 2}
+MXFP8 = {"quantization_plan": {"quant_format": "E4M3", "block_size": 32}}
 LAYOUTS = {
-    "PP=2 x FSDP=2 1f1b + full recompute": {"pipeline_parallel_size": 2, "fully_shard_parallel_size": 2,
-                                            "recompute": True},
+    "PP=2 x FSDP=2 1f1b + full recompute": {**PP2_FSDP2, "recompute": True},
     "PP=2 x FSDP=2 interleaved 1f1b + selective recompute": {
-        "pipeline_parallel_size": 2, "fully_shard_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b",
-        "recompute": True, "recompute_policy": "selective"},
+        **PP2_FSDP2, "pipeline_schedule": "interleaved_1f1b", "recompute": True, "recompute_policy": "selective"},
+    "PP=2 x FSDP=2 zbv + chunked loss (12-token chunks)": {
+        **PP2_FSDP2, "pipeline_schedule": "zbv", "chunk_loss": True, "chunk_loss_plan": {"chunk_size": 12}},
+    "PP=2 x FSDP=2 1f1b + chunk_batch + both swaps (forced on CPU)": {
+        **PP2_FSDP2, "chunk_batch": True, "swap_activation": True, "swap_optimizer": True, "swap_force": True},
+    "PP=2 x FSDP=2 interleaved 1f1b + compile": {**PP2_FSDP2, "pipeline_schedule": "interleaved_1f1b",
+                                                "compile": True},
+    "PP=2 x FSDP=2 1f1b + MXFP8": {**PP2_FSDP2, **MXFP8},
 }
+REFERENCES = {"PP=2 x FSDP=2 1f1b + MXFP8": MXFP8}  # else the plain model
 
 
 def _model():
@@ -43,11 +53,20 @@ def _records(layouts: dict[str, dict]) -> dict[str, TrainRecord]:
     return records
 
 
+def _reference(config: dict | None) -> TrainRecord:
+    from fsdp_turbo.fsdp_turbo import FSDPTurbo
+
+    seed_everything(0)
+    model = _model() if config is None else FSDPTurbo(config, _model())
+    return train_steps(model, _batches())
+
+
 @pytest.mark.multirank
-def test_pipeline_with_recompute_matches_one_process():
+def test_pipeline_beside_the_other_packages_features_matches_one_process():
     per_rank = run_distributed(_records, 4, LAYOUTS, timeout=600)
-    reference = train_steps(_model(), _batches())
+    plain = _reference(None)
     for name in LAYOUTS:
         merged = TrainRecord(losses=per_rank[0][name].losses,
                              grads={k: v for rank in per_rank for k, v in rank[name].grads.items()})
+        reference = _reference(REFERENCES[name]) if name in REFERENCES else plain
         assert_parity(reference, merged, loss_rtol=2e-5, grad_rtol=1e-4, grad_atol=1e-6)

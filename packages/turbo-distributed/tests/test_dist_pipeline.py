@@ -17,6 +17,10 @@ from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
 pytest.importorskip("transformers")
 
+TP_SP = {"colwise_parallel": ["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj"],
+         "rowwise_parallel": ["*.o_proj", "*.down_proj"], "sequence_parallel": ["*layernorm", "model.norm"]}
+TP_SP_LOSS_PARALLEL = {**TP_SP, "colwise_parallel": [*TP_SP["colwise_parallel"], "lm_head"],
+                       "rowwise_parallel": [*TP_SP["rowwise_parallel"], "model.embed_tokens"], "loss_parallel": True}
 TWO_RANKS = {
     "PP=2 1f1b": (4, {"pipeline_parallel_size": 2}),
     "PP=2 gpipe, 4 micro-batches": (4, {"pipeline_parallel_size": 2, "pipeline_schedule": "gpipe",
@@ -35,24 +39,34 @@ FOUR_RANKS = {
     "PP=4 zbv": (8, {"pipeline_parallel_size": 4, "pipeline_schedule": "zbv"}),
     "PP=2 x FSDP=2 dualpipev": (4, {"pipeline_parallel_size": 2, "fully_shard_parallel_size": 2,
                                     "pipeline_schedule": "dualpipev"}),
+    "PP=2 x TP=2 with SP, gpipe": (4, {"pipeline_parallel_size": 2, "pipeline_schedule": "gpipe",
+                                       "tensor_parallel_size": 2, "tp_plan": TP_SP}),
+    "PP=2 x TP=2 with SP, loss parallel, sharded embedding and head, 1f1b": (
+        4, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "tp_plan": TP_SP_LOSS_PARALLEL}),
+    "PP=2 x EP=2 on Qwen3-MoE": (4, {"pipeline_parallel_size": 2, "expert_parallel_size": 2,
+                                     "ep_plan": {"apply_modules": ["*mlp.experts*"]}}, "qwen3_moe"),
+    "PP=2 x CP=2 Ulysses": (4, {"pipeline_parallel_size": 2, "context_parallel_size": 2}),
+    "PP=2 x CP=2 load-balanced ring, interleaved 1f1b": (
+        4, {"pipeline_parallel_size": 2, "context_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b",
+            "cp_plan": {"mode": "ring", "load_balance": True}}),
 }
 
 
-def reference(layers: int) -> TrainRecord:
-    return train_steps(model_of(layers), batches(), lr=LR)
+def reference(layers: int, kind: str = "llama") -> TrainRecord:
+    return train_steps(model_of(layers, kind), batches(), lr=LR)
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("world, layouts", [(2, TWO_RANKS), (4, FOUR_RANKS)], ids=["2 ranks", "4 ranks"])
 def test_pipeline_matches_one_process(world, layouts):
     per_rank = run_distributed(pipeline_records, world, layouts, timeout=600)
-    references = {layers: reference(layers) for layers, _ in layouts.values()}
-    for name, (layers, _) in layouts.items():
+    references = {(layers, *kind): reference(layers, *kind) for layers, _, *kind in layouts.values()}
+    for name, (layers, _, *kind) in layouts.items():
         merged = TrainRecord(losses=per_rank[0][name].losses,
                              grads={k: v for rank in per_rank for k, v in rank[name].grads.items()})
         for rank in per_rank:
             assert rank[name].losses == merged.losses, name
-        assert_parity(references[layers], merged, loss_rtol=2e-5, grad_rtol=1e-4, grad_atol=1e-6)
+        assert_parity(references[(layers, *kind)], merged, loss_rtol=2e-5, grad_rtol=1e-4, grad_atol=1e-6)
 
 
 def test_layers_split_evenly_or_at_declared_points():
@@ -98,8 +112,8 @@ def _plan(layers=4, world=4, **fields):
      "pipeline_stages_per_rank=8 is invalid: 4 layers do not split evenly into 8 stages"),
     ({"pipeline_parallel_size": 2, "pipeline_schedule": "zbv", "fsdp_plan": {"reshard_after_forward": True}},
      "fsdp_plan.reshard_after_forward=True is invalid: .*'zbv' computes weight gradients in a pass of its own"),
-    ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": ["*.q_proj"]}},
-     "tensor_parallel_size=2 is invalid: pipeline parallel runs beside FSDP/HSDP and recompute only"),
+    ({"pipeline_parallel_size": 2, "router_bias_update_rate": 0.001},
+     "router_bias_update_rate=0.001 is invalid: .*once per micro-batch"),
     ({"pipeline_parallel_size": 2, "pipeline_schedule": "zero_bubble"}, "pipeline_schedule='zero_bubble' is invalid"),
     ({"pipeline_parallel_size": 2, "pipeline_split_points": [3, 1]}, "pipeline_split_points=.* is invalid"),
 ])

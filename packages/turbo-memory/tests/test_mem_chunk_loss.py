@@ -63,6 +63,18 @@ def test_sum_reduction_num_items_and_batched_shapes():
                                _reference(h, w, None, labels, reduction="sum") / 7, rtol=LOSS_RTOL, atol=0)
 
 
+def test_backward_twice_gives_the_same_gradients_each_time():
+    """A zero-bubble pipeline's split backward runs the loss's backward for the input
+    gradients, then again for the weight gradients: each run gives the reference's."""
+    h, w, _, labels = _inputs()
+    (h_ref, w_ref) = torch.autograd.grad(_reference(h, w, None, labels) * 3, (h, w))
+    loss = chunked_cross_entropy(h, w, labels, chunk_size=8, backward_twice=True) * 3
+    (first,) = torch.autograd.grad(loss, (h,), retain_graph=True)
+    (second,) = torch.autograd.grad(loss, (w,))
+    torch.testing.assert_close(first, h_ref, **GRAD)
+    torch.testing.assert_close(second, w_ref, **GRAD)
+
+
 def test_all_labels_ignored_gives_zero_not_nan():
     h, w, _, labels = _inputs()
     loss = chunked_cross_entropy(h, w, torch.full_like(labels, -100), chunk_size=8)

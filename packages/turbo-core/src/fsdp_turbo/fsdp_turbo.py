@@ -31,6 +31,7 @@ from fsdp_turbo.core.module_patches import apply_module_patches
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.plugin import FeaturePlan, Transform, TransformRegistry, planning_order, registry
 from fsdp_turbo.core.router_bias import RouterBiasBalancer, biased_routers, check_biased_routers
+from fsdp_turbo.core.stage_part import stage_role
 from fsdp_turbo.core.topology import launch_warnings
 from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
@@ -105,7 +106,9 @@ def plan_transforms(config: FSDPTurboConfig, model: nn.Module, state: ParallelSt
     if ignored:
         _log.warning("ignored, their features are off: " + ", ".join(f"{field} ({feature} is off)"
                                                                       for field, feature in ignored.items()))
-    enabled = [t for t in transforms.all() if t.is_enabled(config, state) and t.name not in skip]
+    role = stage_role(model)  # a pipeline stage's part: the features with work on it
+    enabled = [t for t in transforms.all() if t.is_enabled(config, state) and t.name not in skip
+               and (role is None or t.on_stage(role))]
     plans: dict[str, FeaturePlan] = {}
     for transform in planning_order(enabled):
         upstream = MappingProxyType({name: plans.get(name) for name in transform.requires})

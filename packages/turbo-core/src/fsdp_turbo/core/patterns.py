@@ -28,6 +28,7 @@ from functools import lru_cache
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.stage_part import HeldElsewhere, is_stage_part
 
 _TOKEN = re.compile(r"\{\*\}|\{(\d+)-(\d+)\}|\*|\?")
 
@@ -141,7 +142,9 @@ def match_modules(
 ) -> dict[str, nn.Module]:
     """Return the modules (by qualified name, in model order) that ``patterns`` pick.
 
-    Every pattern must pick at least one module, or a ``ConfigError`` names it.
+    Every pattern must pick at least one module, or a ``ConfigError`` names it; except on a
+    pipeline stage's part (:mod:`fsdp_turbo.core.stage_part`), whose whole model was matched
+    first, and whose stand-ins for other stages' modules are never picked.
     ``outermost`` drops matches nested inside another match.
     ``module_filter`` restricts which modules count as candidates.
     """
@@ -150,7 +153,8 @@ def match_modules(
     used = [False] * len(compiled)
     peft = is_peft_model(model)
     for name, module in model.named_modules(remove_duplicate=False):
-        if not name or (module_filter is not None and not module_filter(name, module)):
+        if not name or isinstance(module, HeldElsewhere) or (module_filter is not None
+                                                             and not module_filter(name, module)):
             continue
         seen = wrapped_name(name, peft)
         for index, pattern in enumerate(compiled):
@@ -158,7 +162,7 @@ def match_modules(
                 used[index] = True
                 hits.setdefault(name, module)
     for pattern, was_used in zip(compiled, used, strict=True):
-        if not was_used:
+        if not was_used and not is_stage_part(model):
             raise ConfigError(
                 field,
                 pattern.text,

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from fsdp_turbo.core.memory_estimate import MemoryModel
     from fsdp_turbo.core.model_facts import ModelFacts
     from fsdp_turbo.core.parallel_state import ParallelState
+    from fsdp_turbo.core.stage_part import StageRole
     from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
 
 ENTRY_POINT_GROUP = "fsdp_turbo.transforms"
@@ -145,6 +146,11 @@ class Transform(abc.ABC):
             raise NotImplementedError(f"{type(self).__name__} ({self.name!r}) has no row in "
                                       "fsdp_turbo.core.features.FEATURES; override is_enabled")
         return feature.requested(config, parallel_state)
+
+    def on_stage(self, role: StageRole) -> bool:
+        """Whether this feature has work on a pipeline stage of ``role`` (the chunked loss:
+        only where the head is). Default: on every stage."""
+        return True
 
     @abc.abstractmethod
     def plan(self, config: FSDPTurboConfig, model: nn.Module, parallel_state: ParallelState,

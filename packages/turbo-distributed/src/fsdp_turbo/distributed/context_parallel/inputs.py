@@ -29,6 +29,7 @@ import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.lm_loss import LossRequest, pending_loss_request
 from fsdp_turbo.core.model_facts import IGNORE_INDEX
+from fsdp_turbo.core.stage_part import stage_role
 from fsdp_turbo.distributed.context_parallel.context import CPState, ForwardContext
 from fsdp_turbo.distributed.context_parallel.ring_math import chunk_positions
 
@@ -100,19 +101,23 @@ def _sequence(kwargs: dict[str, Any], names: InputNames) -> torch.Tensor:
 
 
 def split_inputs(state: CPState, kwargs: dict[str, Any], names: InputNames = InputNames(),
-                 request: LossRequest | None = None) -> dict[str, Any]:
+                 request: LossRequest | None = None, *, cut: bool = False) -> dict[str, Any]:
     """The rank's chunk of a full-length forward call (keyword arguments); records the
-    forward's context. ``request``: an ``lm_loss`` call's, whose labels are cut the same way."""
+    forward's context. ``request``: an ``lm_loss`` call's, whose labels are cut the same way.
+    ``cut``: the hidden states are already this rank's chunk (a later pipeline stage's, handed
+    on by the stage before); the call's full-length positions give the sequence."""
     cp = state.size
     tokens = _sequence(kwargs, names)
     batch, seq_len = tokens.shape[:2]
+    if cut:
+        seq_len = kwargs[names.positions].shape[1]
     full = padded_length(seq_len, cp, 2 * cp if state.mode != "ulysses" and state.load_balance else cp)
     extra = full - seq_len
     members = ring_positions(state, full)
     local = local_positions(state, members).to(tokens.device)
     out = dict(kwargs)
     for name in {names.tokens, "inputs_embeds"} if names.tokens == "input_ids" else {names.tokens}:
-        if kwargs.get(name) is not None:
+        if kwargs.get(name) is not None and not cut:
             out[name] = _pad(kwargs[name], extra, 0)[:, local]
     positions = kwargs.get(names.positions)
     if positions is None:
@@ -222,7 +227,9 @@ def install_input_splitter(model: torch.nn.Module, state: CPState, names: InputN
         kwargs = _by_name(signature, args, kwargs)
         _refuse_attention_weights(module, kwargs)
         _refuse_past_key_values(kwargs)
-        return (), split_inputs(state, kwargs, names, pending_loss_request(module))
+        role = stage_role(module)  # a pipeline stage after the first gets this rank's chunk
+        return (), split_inputs(state, kwargs, names, pending_loss_request(module),
+                                cut=role is not None and not role.first)
 
     def check(module, args, output):
         if not state.proven:

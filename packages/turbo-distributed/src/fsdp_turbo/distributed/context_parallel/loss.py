@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_turbo.core.lm_loss import add_loss_reducer
+from fsdp_turbo.core.stage_part import stage_role
 
 
 class _SumOverCP(torch.autograd.Function):
@@ -48,7 +49,9 @@ def install_loss_sum(model: torch.nn.Module, group: dist.ProcessGroup, size: int
         if isinstance(loss, torch.Tensor):
             output.loss = sum_over_cp(loss, group, size)
             return output
-        if isinstance(output, torch.Tensor) and output.dim() == 0:
+        role = stage_role(module)
+        if isinstance(output, torch.Tensor) and (output.dim() == 0 or (role is not None and role.last)):
+            # a scalar loss; or a pipeline's last stage, whose forward ends in the loss (shaped [1])
             return sum_over_cp(output, group, size)
         return output
 

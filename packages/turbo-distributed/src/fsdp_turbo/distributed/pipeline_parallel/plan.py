@@ -65,26 +65,13 @@ class PipelinePlan(FeaturePlan):
                              f"{self.microbatches} micro-batches)", self.modules_of(stage)) for stage in self.stages)
 
 
-# The features a pipeline does not run beside yet: field -> is it on
-_NOT_COMPOSED = {
-    "tensor_parallel_size": lambda c: c.tensor_parallel_size > 1,
-    "expert_parallel_size": lambda c: c.expert_parallel_size > 1,
-    "context_parallel_size": lambda c: c.context_parallel_size > 1,
-    "chunk_loss": lambda c: c.chunk_loss,
-    "chunk_batch": lambda c: c.chunk_batch,
-    "quantization_plan": lambda c: c.quantization_plan is not None,
-    "compile": lambda c: c.compile,
-    "swap_activation": lambda c: c.swap_activation,
-    "swap_optimizer": lambda c: c.swap_optimizer,
-    "router_bias_update_rate": lambda c: c.router_bias_update_rate > 0,
-}
-
-
 def _check_composable(config: FSDPTurboConfig) -> None:
-    for field, on in _NOT_COMPOSED.items():
-        if on(config):
-            raise ConfigError(field, getattr(config, field), "turn it off, or pipeline_parallel_size to 1",
-                              reason="pipeline parallel runs beside FSDP/HSDP and recompute only, so far")
+    if config.router_bias_update_rate > 0:
+        raise ConfigError("router_bias_update_rate", config.router_bias_update_rate,
+                          "set it to 0, or pipeline_parallel_size to 1",
+                          reason="the routers' biases move at every forward, from the load all-reduced over every "
+                                 "rank: a pipeline would move them once per micro-batch, beside ranks that hold "
+                                 "other layers")
 
 
 def _layer_list(model: nn.Module, facts: ModelFacts) -> str:

@@ -20,6 +20,7 @@ from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.model_inspect import is_tuner_layer, tied_parameter_groups
 from fsdp_turbo.core.patterns import check_disjoint, match_modules
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow
+from fsdp_turbo.core.stage_part import HeldElsewhere
 from fsdp_turbo.distributed.tensor_parallel.lora import (
     adapter_names,
     check_lora_layer,
@@ -248,7 +249,7 @@ def _match(model: nn.Module, plan: TPPlanConfig, keep: Callable[[str, nn.Module]
         for pattern in patterns:
             hits = match_modules(model, [pattern], field=field_name, module_filter=lambda n, m: keep(n, m)
                                  or any(_inside(n, [layer]) for layer in linear))
-            if all(not keep(name, module) for name, module in hits.items()):
+            if hits and all(not keep(name, module) for name, module in hits.items()):
                 layer = next(layer for layer in linear if _inside(next(iter(hits)), [layer]))
                 raise ConfigError(field_name, pattern, f"leave {layer}'s sub-modules out of tp_plan (TP keeps it "
                                   "whole)", reason=f"the pattern picks only modules inside {layer}, a "
@@ -299,7 +300,7 @@ def resolve_tp_plan(model: nn.Module, plan: TPPlanConfig, tp: int, facts: ModelF
     keep = _outside(frozenset(exclude) | set(linear))
     matches = _match(model, plan, keep, linear)
     _validate(model, matches, tp, facts)
-    loss_head = _loss_head(plan, matches.colwise, facts)
+    loss_head = _loss_head(plan, matches.colwise, facts, model)
     styles = _choose_styles(model, plan, matches, loss_head, keep, facts, tp, tuple(linear))
     tied = _check_tied(model, styles)
     shard_dims = [dim for name, choice in styles.items() if choice.kind in SHARDED_KINDS
@@ -570,10 +571,11 @@ def _lora_rowwise_styles(name: str, module: nn.Module, base: StyleChoice) -> dic
     return styles
 
 
-def _loss_head(plan: TPPlanConfig, colwise: dict[str, nn.Module], facts: ModelFacts) -> str | None:
-    if not plan.loss_parallel:
-        return None
+def _loss_head(plan: TPPlanConfig, colwise: dict[str, nn.Module], facts: ModelFacts,
+               model: nn.Module) -> str | None:
     head = facts.head
+    if not plan.loss_parallel or (head is not None and isinstance(model.get_submodule(head), HeldElsewhere)):
+        return None  # off, or a pipeline stage before the head's
     if head is None or head not in colwise:
         raise ConfigError("tp_plan.loss_parallel", True,
                           f"add the output head ({head or 'e.g. lm_head'!r}) to tp_plan.colwise_parallel",

@@ -25,6 +25,10 @@ class ChunkOptions:
     # Vocab parallel: this rank holds rows [vocab_start, vocab_start + weight.shape[0]).
     vocab_group: dist.ProcessGroup | None = None
     vocab_start: int = 0
+    # The backward may run twice: a zero-bubble pipeline's split backward runs it for the
+    # input gradients, then again for the weight gradients. Its gradients are then kept
+    # whole until the graph goes, not scaled in place and freed at once.
+    backward_twice: bool = False
 
 
 def _vocab_all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
@@ -125,18 +129,21 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 hidden, weight, bias, labels, divisor, options, with_grads)
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.backward_twice = options.backward_twice
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grads, dtypes = ctx.grads, ctx.dtypes
-        del ctx.grads
+        if not ctx.backward_twice:
+            del ctx.grads
         scaled = []
         for grad, dtype, needed in zip(grads, dtypes, ctx.needs_input_grad[:3], strict=True):
             if grad is None or not needed:
                 scaled.append(None)
                 continue
-            grad = grad.mul_(grad_loss) if grad.dtype == torch.float32 else grad.mul(grad_loss)
+            in_place = grad.dtype == torch.float32 and not ctx.backward_twice
+            grad = grad.mul_(grad_loss) if in_place else grad.mul(grad_loss)
             scaled.append(grad.to(dtype))
         return (*scaled, None, None, None, None)
 
@@ -199,6 +206,7 @@ def chunked_cross_entropy(
     vocab_group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
     backend: str = "auto",
+    backward_twice: bool = False,
 ) -> torch.Tensor:
     """``F.cross_entropy(hidden @ weight.T + bias, labels)`` without the full logits.
 
@@ -214,6 +222,8 @@ def chunked_cross_entropy(
     ``backend``: ``'turbo'`` (this implementation), ``'torch'`` (torch's
     ``F.linear_cross_entropy``, torch >= 2.13, plain features only) or ``'auto'``, which
     takes torch's only where it is present and was measured faster (see ``_TORCH_FASTER_ON``).
+    ``backward_twice``: the backward may run again on the same graph (a zero-bubble pipeline's
+    weight pass); this implementation then keeps its gradients until the graph goes.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, not {chunk_size}")
@@ -225,7 +235,8 @@ def chunked_cross_entropy(
                   logit_softcap=logit_softcap, vocab_group=vocab_group):
         return _torch_linear_cross_entropy(hidden, weight, labels, bias, ignore_index, reduction, num_items,
                                            chunk_size)
-    options = ChunkOptions(chunk_size, ignore_index, float(z_loss_weight), logit_softcap, vocab_group, vocab_start)
+    options = ChunkOptions(chunk_size, ignore_index, float(z_loss_weight), logit_softcap, vocab_group, vocab_start,
+                           backward_twice)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1).to(hidden.device)
     divisor = _divisor(flat_labels, ignore_index, reduction, num_items)

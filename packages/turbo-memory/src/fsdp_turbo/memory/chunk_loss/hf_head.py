@@ -37,6 +37,7 @@ class ChunkLossSettings:
     z_loss_weight: float = 0.0
     logit_softcap: float | None = None
     hf: bool = True  # an HF causal LM (labels in forward); else the loss comes through core.lm_loss
+    backward_twice: bool = False  # beside a zero-bubble pipeline, whose weight pass re-runs the backward
 
 
 @dataclass
@@ -168,7 +169,8 @@ class ChunkedLossHandle:
             hidden_local, local.weight, labels.to(hidden_local.device), bias=local.bias,
             chunk_size=settings.chunk_size, ignore_index=settings.ignore_index,
             num_items=request.num_items, z_loss_weight=settings.z_loss_weight,
-            logit_softcap=settings.logit_softcap, vocab_group=local.vocab_group, vocab_start=local.vocab_start)
+            logit_softcap=settings.logit_softcap, vocab_group=local.vocab_group, vocab_start=local.vocab_start,
+            backward_twice=settings.backward_twice)
         self._produced = True
         if not self._hf:  # lm_loss takes it from its request
             self._pending.loss, self._pending, self._loss = self._loss, None, None
