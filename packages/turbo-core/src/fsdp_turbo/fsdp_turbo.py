@@ -184,6 +184,8 @@ def _pipelined(config: FSDPTurboConfig, model: M, state: ParallelState, planned:
         part.fsdp_turbo_config = config
         part.fsdp_turbo_facts = part_facts
         part.fsdp_turbo_plans = MappingProxyType({transform.name: plan, **{t.name: p for t, p in part_planned}})
+        if has_meta_tensors(part):
+            guard_meta_model(part)  # until load_pretrained or init_weights gives it weights
         parts.append((spec, part))
     first = parts[0][1]
     first.fsdp_turbo_pipeline = transform.join(parts, plan, state)

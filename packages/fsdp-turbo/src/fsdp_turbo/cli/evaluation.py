@@ -23,6 +23,7 @@ import torch.distributed as dist
 from fsdp_turbo.cli.data import Batch, EvalSet
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.core.stage_part import stage_parts
 
 
 def _world_sum(values: list[float], device: torch.device) -> list[float]:
@@ -57,12 +58,27 @@ def check_eval_set(held_out: EvalSet, micro_batch: int, batches: int, dp_rank: i
     _require_loss_tokens(tokens, batches)
 
 
+def pipeline_inputs(batch: Batch) -> dict[str, torch.Tensor]:
+    """A batch as a pipeline's ``step`` and ``evaluate`` take it."""
+    return {name: value for name, value in batch.model_inputs().items() if isinstance(value, torch.Tensor)}
+
+
+def forward_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """The batch's mean loss, forward only: the model's own, or its pipeline's."""
+    runner = getattr(model, "fsdp_turbo_pipeline", None)
+    if runner is not None:
+        return runner.evaluate(**pipeline_inputs(batch))
+    return model(**batch.model_inputs()).loss
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, held_out: EvalSet, micro_batch: int, batches: int, dp_rank: int, dp_size: int,
              device: torch.device) -> dict[str, float]:
     """``eval_loss`` and ``eval_perplexity`` over the first ``batches`` eval micro-batches."""
+    parts = stage_parts(model)
     was_training = model.training
-    model.eval()
+    for part in parts:
+        part.eval()
     weighted, tokens = 0.0, 0.0
     try:
         for batch in held_out.batches(micro_batch, dp_rank, dp_size, batches):
@@ -70,12 +86,13 @@ def evaluate(model: torch.nn.Module, held_out: EvalSet, micro_batch: int, batche
             # Every micro-batch runs its forward, loss tokens or not: the ranks of a shard run
             # their collectives together. One with none has loss NaN (a mean over nothing), and
             # NaN x 0 is NaN, so it adds nothing rather than its product.
-            loss = model(**batch.to(device).model_inputs()).loss
+            loss = forward_loss(model, batch.to(device))
             if count:
                 weighted += float(loss.float()) * count
                 tokens += count
     finally:
-        model.train(was_training)
+        for part in parts:
+            part.train(was_training)
     weighted, tokens = _world_sum([weighted, tokens], device)
     _require_loss_tokens(tokens, batches)
     loss = weighted / tokens

@@ -555,11 +555,6 @@ class JobConfig(ConfigSection):
                 raise ConfigError(name, value, f"use a mapping of {kind.__name__} fields")
         if not isinstance(self.output_dir, str) or not self.output_dir:
             raise ConfigError("output_dir", self.output_dir, "give a directory path")
-        if self.turbo.pipeline_parallel_size > 1:  # issue 47: the step, clipping and checkpoints per stage
-            raise ConfigError("turbo.pipeline_parallel_size", self.turbo.pipeline_parallel_size,
-                              "set it to 1 for fsdp-turbo train; pipelines run through the Python API so far "
-                              "(model.fsdp_turbo_pipeline.step)",
-                              reason="fsdp-turbo train does not run pipeline stages yet")
 
     def with_overrides(self, *, max_steps: int | None = None, output_dir: str | None = None,
                        save_every: int | None = None) -> JobConfig:

@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 
 from fsdp_turbo.cli.job_config import OptimizerSection
 
@@ -32,11 +33,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, section: OptimizerSection,
         optimizer, warmup_cosine(section.warmup_steps, total_steps, section.min_lr_ratio))
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None,
+                   pipeline_group: dist.ProcessGroup | None = None) -> float:
     """The global L2 norm of all gradients (clipped to ``max_norm`` when given).
 
     Dense and expert parameters live on different device meshes (FSDP/TP vs EP), which one
-    ``clip_grad_norm_`` call cannot mix: each mesh's norm is taken alone, then combined."""
+    ``clip_grad_norm_`` call cannot mix: each mesh's norm is taken alone, then combined.
+    Under pipeline parallel ``params`` are this rank's stages': the squares are summed over
+    ``pipeline_group`` (the ranks holding the other stages) first."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
@@ -48,8 +52,11 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> 
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         squares.append(norm.float() ** 2)
-    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
-    total_norm = float(total)
+    # a stage without gradients still joins the pipeline's sum, on the training's device
+    total = torch.stack(squares).sum() if squares else torch.zeros((), device=params[0].device if params else None)
+    if pipeline_group is not None:
+        dist.all_reduce(total, group=pipeline_group)
+    total_norm = float(total.sqrt())
     if max_norm is not None and total_norm > max_norm:
         scale = max_norm / (total_norm + 1e-6)  # as clip_grad_norm_ does
         for grad in grads:

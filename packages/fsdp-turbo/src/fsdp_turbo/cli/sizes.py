@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from fsdp_turbo.cli.job_config import JobConfig
+from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.parallel_state import ParallelSizes
 
 
@@ -37,7 +38,31 @@ def job_sizes(job: JobConfig, world_size: int) -> JobSizes:
     """The job's parallel sizes and gradient accumulation at ``world_size``; a ``ConfigError``
     names the field when the sizes do not tile that world or the global batch does not split."""
     parallel = job.turbo.validate(world_size)
-    return JobSizes(parallel, job.run.accumulation(parallel.dp_replicate_x_fsdp), job.run.micro_batch)
+    sizes = JobSizes(parallel, job.run.accumulation(parallel.dp_replicate_x_fsdp), job.run.micro_batch)
+    if parallel.pp > 1:
+        _check_pipeline_rows(job, sizes)
+    return sizes
+
+
+def _check_pipeline_rows(job: JobConfig, sizes: JobSizes) -> None:
+    """A pipeline runs each step's micro-batches (``micro_batch x accumulation`` rows a data
+    shard) as one batch, split into ``pipeline_microbatches``; an evaluation, each eval
+    micro-batch (``micro_batch`` rows) alike. Both must split evenly."""
+    from fsdp_turbo.distributed.pipeline_parallel.schedules import stages_per_rank
+
+    turbo = job.turbo
+    split = turbo.pipeline_microbatches or sizes.parallel.pp * stages_per_rank(turbo.pipeline_schedule,
+                                                                                 turbo.pipeline_stages_per_rank)
+    rows = sizes.micro_batch * sizes.accumulation
+    if rows % split:
+        raise ConfigError("turbo.pipeline_microbatches", split, f"use a divisor of the {rows} rows each data shard "
+                          f"trains a step (run.micro_batch {sizes.micro_batch} x {sizes.accumulation} "
+                          "accumulated), or change those",
+                          reason="the pipeline splits each step's rows into equal micro-batches")
+    if job.data.eval is not None and sizes.micro_batch % split:
+        raise ConfigError("turbo.pipeline_microbatches", split, f"use a divisor of run.micro_batch "
+                          f"({sizes.micro_batch}), which each evaluation batch holds, or drop data.eval",
+                          reason="the pipeline splits each evaluation batch into equal micro-batches")
 
 
 def default_world_size(job: JobConfig) -> int:
@@ -45,4 +70,5 @@ def default_world_size(job: JobConfig) -> int:
     ``fully_shard_parallel_size: -1`` (inferred from the world) counts as 1."""
     turbo = job.turbo
     fsdp = turbo.fully_shard_parallel_size if turbo.fully_shard_parallel_size != -1 else 1
-    return math.prod((turbo.data_parallel_size, fsdp, turbo.context_parallel_size, turbo.tensor_parallel_size))
+    return math.prod((turbo.data_parallel_size, fsdp, turbo.context_parallel_size, turbo.tensor_parallel_size,
+                      turbo.pipeline_parallel_size))

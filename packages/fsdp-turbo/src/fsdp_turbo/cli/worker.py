@@ -34,7 +34,7 @@ from fsdp_turbo.cli import faults as fault_injection
 from fsdp_turbo.cli import preemption
 from fsdp_turbo.cli.checkpoint import Resume, load_checkpoint, new_run_id, resolve_resume, save_checkpoint
 from fsdp_turbo.cli.data import Batch, EvalSet, JobData, TrainStream, load_data
-from fsdp_turbo.cli.evaluation import check_eval_set, evaluate, items_per_rank
+from fsdp_turbo.cli.evaluation import check_eval_set, evaluate, items_per_rank, pipeline_inputs
 from fsdp_turbo.cli.flops import flops_per_token
 from fsdp_turbo.cli.job_config import JobConfig
 from fsdp_turbo.cli.metrics import MetricsLog, Progress, TensorBoardLog, peak_tflops, plot_loss, progress
@@ -56,6 +56,7 @@ from fsdp_turbo.core.failfast import FailFast
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.moe_telemetry import MoETelemetry, telemetry_of
 from fsdp_turbo.core.parallel_state import ParallelState
+from fsdp_turbo.core.stage_part import stage_parts
 
 _log = get_logger("fsdp_turbo.cli.worker")  # not "__main__" under python -m
 
@@ -181,7 +182,7 @@ def _weights(job: JobConfig, model: torch.nn.Module, point: Resume) -> None:
     when a training checkpoint is resumed (its values are loaded over these). Training
     checkpoints hold trainable parameters only, so frozen ones (a LoRA model's base) are read
     from the job's source on resume too: they never change."""
-    if point.checkpoint is not None and all(p.requires_grad for p in model.parameters()):
+    if point.checkpoint is not None and all(p.requires_grad for p in _parameters(model)):
         materialize(model)
         return
     report = fill_weights(model, job.model, job.run.seed)
@@ -190,9 +191,14 @@ def _weights(job: JobConfig, model: torch.nn.Module, point: Resume) -> None:
                   f"of {report.checkpoint_bytes / 2**20:,.1f} MiB")
 
 
+def _parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """This rank's parameters: the model's, or those of every pipeline stage it holds."""
+    return [p for part in stage_parts(model) for p in part.parameters()]
+
+
 def _optimizer(job: JobConfig, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
     # only what trains: frozen parameters (a LoRA model's base) get no optimizer state
-    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], job.optimizer)
+    optimizer = build_optimizer([p for p in _parameters(model) if p.requires_grad], job.optimizer)
     return optimizer, build_scheduler(optimizer, job.optimizer, job.run.steps)
 
 
@@ -270,6 +276,11 @@ def _forward_backward(session: Session, step: int, batches: list[Batch]) -> floa
     """Gradients of the step's loss, accumulated; the loss, the same on every rank."""
     device = session.device
     items = items_per_rank(batches, device)  # the step's loss is its global token mean (see evaluation)
+    runner = getattr(session.model, "fsdp_turbo_pipeline", None)
+    if runner is not None:  # the step's micro-batches are the pipeline's batch: one schedule step
+        whole = _joined([batch.to(device) for batch in batches])
+        loss = session.hooks.on_loss(step, runner.step(**whole, num_items_in_batch=items))
+        return _world_mean(loss)
     total = torch.zeros((), device=device)
     for batch in batches:
         loss = session.model(**batch.to(device).model_inputs(), num_items_in_batch=items).loss
@@ -277,6 +288,12 @@ def _forward_backward(session: Session, step: int, batches: list[Batch]) -> floa
         loss.backward()
         total += loss.detach()
     return _world_mean(total)
+
+
+def _joined(batches: list[Batch]) -> dict[str, torch.Tensor]:
+    """The batches' rows as one batch, as a pipeline's ``step`` takes it."""
+    inputs = [pipeline_inputs(batch) for batch in batches]
+    return {name: torch.cat([each[name] for each in inputs]) for name in inputs[0]}
 
 
 def _update(session: Session, step: int, loss: float, grad_norm: float) -> bool:
@@ -297,10 +314,16 @@ def _train_step(session: Session, step: int) -> StepResult:
     batches = _batches(session, step)
     data_wait = time.perf_counter() - began  # the loop waits for nothing else before the forward
     loss = _forward_backward(session, step, batches)
-    grad_norm = clip_grad_norm(list(session.model.parameters()), session.job.optimizer.grad_clip)
+    grad_norm = clip_grad_norm(_parameters(session.model), session.job.optimizer.grad_clip,
+                               _pipeline_group(session.state))
     lr = session.scheduler.get_last_lr()[0]
     finite = _update(session, step, loss, grad_norm)
     return StepResult(loss, grad_norm, lr, finite, data_wait, time.perf_counter() - began)
+
+
+def _pipeline_group(state: ParallelState) -> dist.ProcessGroup | None:
+    """The ranks holding the other stages of this rank's pipeline (None without one)."""
+    return state.group("pp") if state.pp_size > 1 else None
 
 
 def _eval(session: Session, step: int) -> dict[str, float]:

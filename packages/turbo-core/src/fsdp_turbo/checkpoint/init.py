@@ -12,6 +12,7 @@ from fsdp_turbo.checkpoint.stored_forms import ValuesBox, stored_forms
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.blueprint import blueprint as blueprint_of
 from fsdp_turbo.core.patterns import is_peft_model
+from fsdp_turbo.core.stage_part import stage_parts
 
 
 def set_by_module(model: nn.Module, blueprint: nn.Module, local: dict[str, torch.Tensor], names: set[str] | None,
@@ -63,7 +64,8 @@ def init_weights(model: nn.Module, seed: int = 0) -> nn.Module:
     blueprint = blueprint_of(model)
     allocate(model, blueprint)
     with every_rank_or_none("init_weights", target_device(model)):
-        set_by_module(model, blueprint, local_tensors(model), None, seed)
+        for part in stage_parts(model):
+            set_by_module(part, blueprint, local_tensors(part), None, seed)
     return model
 
 
@@ -74,7 +76,8 @@ def materialize(model: nn.Module) -> nn.Module:
     blueprint = blueprint_of(model)
     allocate(model, blueprint)
     with every_rank_or_none("materialize", target_device(model)):
-        set_by_module(model, blueprint, local_tensors(model), non_persistent_buffers(blueprint), seed=0)
+        for part in stage_parts(model):
+            set_by_module(part, blueprint, local_tensors(part), non_persistent_buffers(blueprint), seed=0)
     return model
 
 

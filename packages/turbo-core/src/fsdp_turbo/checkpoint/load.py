@@ -21,6 +21,7 @@ from fsdp_turbo.core.blueprint import blueprint as blueprint_of
 from fsdp_turbo.core.errors import CheckpointError, ConfigError
 from fsdp_turbo.core.logging import get_logger
 from fsdp_turbo.core.patterns import is_peft_model
+from fsdp_turbo.core.stage_part import stage_parts
 
 _log = get_logger(__name__)
 # Mapped file pages count as this process's memory until the file is closed: close the
@@ -115,15 +116,17 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
         layout, adapter_part, initialised = _layouts(blueprint, files, adapter)
         missing, unexpected = _compare(layout, files, model, strict)
     allocate(model, blueprint)
-    local, forms = local_tensors(model), stored_forms(model)
+    forms = stored_forms(model)
     read = 0
     with every_rank_or_none("load_pretrained", device):
-        read = _read_layout(layout, files, local, forms, set(missing))
-        if adapter_part is not None:
-            read += _read_layout(*adapter_part, local, forms, set())
         rebuild = non_persistent_buffers(blueprint) | initialised | {
             k for k, pieces in layout.pieces.items() if any(p.key in set(missing) for p in pieces)}
-        set_by_module(model, blueprint, local, rebuild, seed=0)
+        for part in stage_parts(model):  # a pipeline's stages one by one: see local_tensors
+            local = local_tensors(part)
+            read += _read_layout(layout, files, local, forms, set(missing))
+            if adapter_part is not None:
+                read += _read_layout(*adapter_part, local, forms, set())
+            set_by_module(part, blueprint, local, rebuild, seed=0)
     if missing or unexpected:
         _log.warning(f"load_pretrained (strict=False): initialised {len(missing)} missing tensor(s) "
                      f"{list(missing[:8])}, ignored {len(unexpected)} unexpected {list(unexpected[:8])}")

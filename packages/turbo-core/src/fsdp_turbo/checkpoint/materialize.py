@@ -19,6 +19,7 @@ from fsdp_turbo.core.device import current_device
 from fsdp_turbo.core.errors import CheckpointError
 from fsdp_turbo.core.model_inspect import tied_parameter_groups
 from fsdp_turbo.core.patterns import base_model_name, is_peft_model
+from fsdp_turbo.core.stage_part import stage_parts
 
 
 def target_device(model: nn.Module) -> torch.device:
@@ -31,16 +32,18 @@ def target_device(model: nn.Module) -> torch.device:
 
 
 def allocate(model: nn.Module, blueprint: nn.Module) -> None:
-    """Allocate the meta tensors of ``model`` (values undefined) and re-tie tied parameters."""
-    if has_meta_tensors(model):
-        model.to_empty(device=target_device(model))
-        for (first_module, first), *others in tied_parameter_groups(blueprint):
-            shared = getattr(model.get_submodule(first_module), first)
-            for module_name, name in others:
-                module = model.get_submodule(module_name)
-                if getattr(module, name) is not shared:
-                    setattr(module, name, shared)
-    release_meta_guard(model)
+    """Allocate the meta tensors of ``model`` (every pipeline stage this rank holds; values
+    undefined) and re-tie tied parameters (a pipeline refuses tied ones)."""
+    for part in stage_parts(model):
+        if has_meta_tensors(part):
+            part.to_empty(device=target_device(part))
+            for (first_module, first), *others in tied_parameter_groups(blueprint):
+                shared = getattr(part.get_submodule(first_module), first)
+                for module_name, name in others:
+                    module = part.get_submodule(module_name)
+                    if getattr(module, name) is not shared:
+                        setattr(module, name, shared)
+        release_meta_guard(part)
 
 
 def tensor_seed(seed: int, name: str) -> int:

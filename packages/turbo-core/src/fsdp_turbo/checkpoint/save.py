@@ -17,7 +17,7 @@ from fsdp_turbo.checkpoint.gather import holders as holders_of
 from fsdp_turbo.checkpoint.gather import whole, world
 from fsdp_turbo.checkpoint.layout import checkpoint_layout
 from fsdp_turbo.checkpoint.materialize import target_device
-from fsdp_turbo.checkpoint.shards import local_tensors
+from fsdp_turbo.checkpoint.shards import held_tensors
 from fsdp_turbo.checkpoint.stored_forms import stored_forms
 from fsdp_turbo.core import hf
 from fsdp_turbo.core.agreement import every_rank_or_none
@@ -25,6 +25,7 @@ from fsdp_turbo.core.blueprint import blueprint as blueprint_of
 from fsdp_turbo.core.blueprint import has_meta_tensors
 from fsdp_turbo.core.errors import CheckpointError, ConfigError
 from fsdp_turbo.core.patterns import is_peft_model
+from fsdp_turbo.core.stage_part import stage_parts
 
 INDEX = "model.safetensors.index.json"
 
@@ -43,7 +44,7 @@ class ShardedTensors:
 
     def __init__(self, model: nn.Module, blueprint: nn.Module, device: torch.device) -> None:
         self.blueprint, self.device = blueprint, device
-        self.local, self.forms = local_tensors(model), stored_forms(model)
+        self.local, self.forms = held_tensors(model), stored_forms(model)
         self.meta = blueprint.state_dict(keep_vars=True)
         self.holders = holders_of(list(hf.saved_state(blueprint, self.meta)), self.local)
 
@@ -73,7 +74,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, dtype: torch.d
     keeps that file's checkpoint tensors. So no rank holds more than its own shards plus one
     file. Everything is written to ``<path>.partial`` and renamed into place when complete.
     """
-    if has_meta_tensors(model):
+    if any(has_meta_tensors(part) for part in stage_parts(model)):
         raise CheckpointError("model", type(model).__name__, "load_pretrained or init_weights it first",
                               reason="it is still on the meta device")
     blueprint = blueprint_of(model)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from fsdp_turbo.core.model_inspect import is_dtensor, local_tensor
+from fsdp_turbo.core.stage_part import stage_parts
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,19 @@ def local_boxes(value: torch.Tensor) -> list[LocalBox]:
 
 
 def local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer this rank holds, persistent or not, by qualified name."""
+    """Every parameter and buffer ``model`` holds on this rank, persistent or not, by qualified
+    name. Of a pipelined model, its first stage's: each stage holds its own copy of what every
+    stage has (the rotary frequencies), under the same name, so the stages are filled one by
+    one (:func:`stage_parts`), and read together through :func:`held_tensors`."""
     found = dict(model.named_parameters(remove_duplicate=False))
     found.update(model.named_buffers(remove_duplicate=False))
     return found
+
+
+def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``local_tensors`` over every pipeline stage this rank holds (a name several stages share
+    names copies of the same values: any one serves to read them)."""
+    return {name: tensor for part in stage_parts(model) for name, tensor in local_tensors(part).items()}
 
 
 def overlap(a_start: tuple[int, ...], a_size: tuple[int, ...], b_start: tuple[int, ...], b_size: tuple[int, ...]

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fsdp_turbo.checkpoint.shards import LocalBox
+from fsdp_turbo.core.stage_part import stage_parts
 
 STORED_FORMS_ATTR = "stored_forms"
 
@@ -47,10 +48,11 @@ class StoredForm(Protocol):
 def stored_forms(model: nn.Module) -> dict[str, StoredForm]:
     """Every stored-form parameter of ``model`` by qualified name (the names ``local_tensors`` uses)."""
     found = {}
-    for module_name, module in model.named_modules():
-        prefix = f"{module_name}." if module_name else ""
-        for name, form in getattr(module, STORED_FORMS_ATTR, {}).items():
-            found[prefix + name] = form
+    for part in stage_parts(model):
+        for module_name, module in part.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            for name, form in getattr(module, STORED_FORMS_ATTR, {}).items():
+                found[prefix + name] = form
     return found
 
 

@@ -31,8 +31,10 @@ Every rank calls every method here, in the same order: each is collective.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
+from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -55,45 +57,97 @@ from fsdp_turbo.checkpoint.atomic import fsync_tree, move_into_place
 from fsdp_turbo.checkpoint.strided import for_dcp, from_dcp
 from fsdp_turbo.core.agreement import every_rank_or_none
 from fsdp_turbo.core.errors import CheckpointError
+from fsdp_turbo.core.stage_part import stage_parts
 
 META = "meta.json"
 # Frozen parameters (a LoRA model's base) never change: the model's source holds them, so a
-# training checkpoint is the trainable parameters and their optimizer state only.
-TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
+# training checkpoint is the trainable parameters and their optimizer state only. The
+# optimizer's state and hyperparameters are keyed by parameter name ("flattened"), so a
+# rank of any layout, pipeline stages included, finds its own.
+TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True)
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _stage_view(optimizer: torch.optim.Optimizer, part: torch.nn.Module) -> torch.optim.Optimizer:
+    """``optimizer`` restricted to ``part``'s parameters, for torch's state-dict functions,
+    which take one module: the same state tensors and hyperparameters, in a shallow copy."""
+    mine = {id(p) for p in part.parameters()}
+    view = copy.copy(optimizer)
+    view.param_groups = [{**group, "params": [p for p in group["params"] if id(p) in mine]}
+                         for group in optimizer.param_groups]
+    view.param_groups = [group for group in view.param_groups if group["params"]]
+    view.state = defaultdict(dict, {p: optimizer.state[p] for group in view.param_groups for p in group["params"]
+                                    if p in optimizer.state})
+    return view
+
+
+def _adopt(optimizer: torch.optim.Optimizer, view: torch.optim.Optimizer) -> None:
+    """What loading put into a stage's view, back into ``optimizer``: its parameters' state and
+    the hyperparameters of the groups they belong to."""
+    for param, state in view.state.items():
+        optimizer.state[param] = state
+    for loaded in view.param_groups:
+        first = loaded["params"][0]
+        group = next(g for g in optimizer.param_groups if any(p is first for p in g["params"]))
+        group.update({key: value for key, value in loaded.items() if key != "params"})
+
+
+def _pairs(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+           ) -> list[tuple[torch.nn.Module, torch.optim.Optimizer | None]]:
+    """(module, optimizer) of each pipeline stage this rank holds (one pair without a pipeline)."""
+    parts = stage_parts(model)
+    if len(parts) == 1 or optimizer is None:
+        return [(part, optimizer) for part in parts]
+    return [(part, _stage_view(optimizer, part)) for part in parts]
+
+
+def _merged(states: list[dict[str, Any]]) -> dict[str, Any]:
+    # names are the whole model's and the optimizer's are flattened: the stages' keys never collide
+    return {kind: {key: value for state in states for key, value in state[kind].items()} for kind in states[0]}
+
+
 def trainable_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """What a training checkpoint holds, as DCP takes it: each rank's shards of the trainable
-    parameters and of their optimizer state (LoRA experts' strided shards as plain-sharded views)."""
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
-    return for_dcp({"model": model_state, "optimizer": optimizer_state})
+    parameters and of their optimizer state (LoRA experts' strided shards as plain-sharded
+    views), over every pipeline stage it holds."""
+    states = []
+    for part, part_optimizer in _pairs(model, optimizer):
+        model_state, optimizer_state = get_state_dict(part, part_optimizer, options=TRAINABLE_ONLY)
+        states.append({"model": model_state, "optimizer": optimizer_state})
+    return for_dcp(_merged(states))
 
 
 def read_trainable_state(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Load the DCP state a :class:`TrainingCheckpointer` wrote into ``folder``, at this job's
     layout (DCP reshards), as data only (``safe_dcp``); without ``optimizer``, the parameters
     alone. Every rank calls this."""
-    if optimizer is None:
-        model_state = get_model_state_dict(model, options=TRAINABLE_ONLY)
-        original = {"model": model_state}
-    else:
-        model_state, optimizer_state = get_state_dict(model, optimizer, options=TRAINABLE_ONLY)
-        original = {"model": model_state, "optimizer": optimizer_state}
+    pairs = _pairs(model, optimizer)
+    originals = []
+    for part, part_optimizer in pairs:
+        if part_optimizer is None:
+            originals.append({"model": get_model_state_dict(part, options=TRAINABLE_ONLY)})
+        else:
+            model_state, optimizer_state = get_state_dict(part, part_optimizer, options=TRAINABLE_ONLY)
+            originals.append({"model": model_state, "optimizer": optimizer_state})
+    original = _merged(originals)
     state = for_dcp(original)
     safe_dcp.load(state, Path(folder))
     state = from_dcp(state, original)
     # not strict: the frozen parameters are absent by design (safe_dcp.load has already
     # refused a checkpoint lacking any trainable one)
-    loose = StateDictOptions(ignore_frozen_params=True, strict=False)
-    if optimizer is None:
-        set_model_state_dict(model, state["model"], options=loose)
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+    loose = StateDictOptions(ignore_frozen_params=True, strict=False, flatten_optimizer_state_dict=True)
+    for (part, part_optimizer), own in zip(pairs, originals, strict=True):
+        mine = {kind: {key: state[kind][key] for key in own[kind]} for kind in own}
+        if part_optimizer is None:
+            set_model_state_dict(part, mine["model"], options=loose)
+            continue
+        set_state_dict(part, part_optimizer, model_state_dict=mine["model"], optim_state_dict=mine["optimizer"],
                        options=loose)
+        if part_optimizer is not optimizer:
+            _adopt(optimizer, part_optimizer)
 
 
 def read_meta(folder: str | Path) -> dict[str, Any]:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_turbo.core.model_inspect import EXPERT_FORWARD_ALIASES
+from fsdp_turbo.core.stage_part import in_metadata_inference, stage_parts
 
 _INDEX = "top_k_index"
 
@@ -104,8 +105,9 @@ class MoETelemetry:
     the expert containers' names; ``routers``: the routers' names, each matched to the layer of
     the expert container that shares its parent; ``ep``: expert parallel's size."""
 
-    def __init__(self, model: nn.Module, experts: tuple[str, ...], routers: tuple[str, ...] = (), ep: int = 1) -> None:
-        self.ep = ep
+    def __init__(self, model: nn.Module, experts: tuple[str, ...], routers: tuple[str, ...] = (), ep: int = 1,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.ep, self.group = ep, group  # group: the ranks that hold these layers (default: every rank)
         self.layers: dict[str, _LayerCounts] = {}
         for name in experts:
             module = model.get_submodule(name)
@@ -128,6 +130,8 @@ class MoETelemetry:
     @staticmethod
     def _count_slots(layer: _LayerCounts):
         def hook(module, args, kwargs):
+            if in_metadata_inference():
+                return
             index = _top_k_index(args, kwargs)
             if index is not None:
                 layer.add_slots(index)
@@ -136,6 +140,8 @@ class MoETelemetry:
     @staticmethod
     def _router_entropy(layer: _LayerCounts):
         def hook(module, args, output):
+            if in_metadata_inference():
+                return
             logits = output[0] if isinstance(output, tuple) else output
             if isinstance(logits, torch.Tensor) and logits.shape[-1] == layer.num_experts:
                 layer.add_entropy(logits)
@@ -148,25 +154,54 @@ class MoETelemetry:
             return {}
         packed = torch.cat([layer.packed(device) for layer in self.layers.values()])
         if dist.is_initialized():
-            dist.all_reduce(packed)
+            dist.all_reduce(packed, group=self.group)
         packed, row, offset = packed.cpu(), {}, 0
         for name, layer in self.layers.items():
             size = layer.size
             row.update(_layer_row(name, packed[offset:offset + size], layer.num_experts, self.ep))
             offset += size
             layer.reset()
-        imbalances = [value for key, value in row.items() if key.endswith("/imbalance")]
-        entropies = [value for key, value in row.items() if key.endswith("/router_entropy")]
-        if imbalances:
-            row["moe/imbalance_max"] = max(imbalances)
-        if entropies:
-            row["moe/router_entropy_mean"] = sum(entropies) / len(entropies)
-        return row
+        return _with_summary(row)
 
     def remove(self) -> None:
         for layer in self.layers.values():
             for handle in layer.handles:
                 handle.remove()
+
+
+def _with_summary(row: dict[str, object]) -> dict[str, object]:
+    """``row`` with the figures over its layers: the largest imbalance, the mean entropy."""
+    imbalances = [value for key, value in row.items() if key.endswith("/imbalance")]
+    entropies = [value for key, value in row.items() if key.endswith("/router_entropy")]
+    if imbalances:
+        row["moe/imbalance_max"] = max(imbalances)
+    if entropies:
+        row["moe/router_entropy_mean"] = sum(entropies) / len(entropies)
+    return row
+
+
+class StagesTelemetry:
+    """The telemetry of a pipelined model: each stage's layers are counted where they run,
+    summed over the ranks holding the same stages, and the rows of every stage are gathered
+    over the pipeline (``read`` is a collective, as :meth:`MoETelemetry.read`)."""
+
+    def __init__(self, stages: list[MoETelemetry], pipeline: dist.ProcessGroup) -> None:
+        self.stages, self.pipeline = stages, pipeline
+
+    def read(self, device: torch.device | str = "cpu") -> dict[str, object]:
+        mine: dict[str, object] = {}
+        for stage in self.stages:
+            mine.update({k: v for k, v in stage.read(device).items() if k not in _SUMMARY})
+        every: list[dict[str, object] | None] = [None] * dist.get_world_size(self.pipeline)
+        dist.all_gather_object(every, mine, group=self.pipeline)
+        return _with_summary({key: value for row in every for key, value in (row or {}).items()})
+
+    def remove(self) -> None:
+        for stage in self.stages:
+            stage.remove()
+
+
+_SUMMARY = ("moe/imbalance_max", "moe/router_entropy_mean")
 
 
 def _layer_row(name: str, packed: torch.Tensor, num_experts: int, ep: int) -> dict[str, object]:
@@ -196,11 +231,21 @@ def _layer_row(name: str, packed: torch.Tensor, num_experts: int, ep: int) -> di
 def telemetry_of(model: nn.Module) -> MoETelemetry | None:
     """The telemetry of a model ``FSDPTurbo`` made (its facts name the expert containers and
     routers; its parallel state the EP size); ``None`` for a dense model."""
+    state = model.parallel_state
+    if getattr(model, "fsdp_turbo_pipeline", None) is not None:
+        # every stage's own facts; counted over the ranks that hold the same stages
+        stage_ranks = state.group(*(dim for dim in state.sizes.dense_dims if dim != "pp"))
+        stages = [MoETelemetry(part, tuple(c.name for c in part.fsdp_turbo_facts.experts),
+                               part.fsdp_turbo_facts.routers, ep=state.sizes.ep, group=stage_ranks)
+                  for part in stage_parts(model)]
+        # the whole model's facts decide (a stage may hold no MoE layer while another does)
+        return StagesTelemetry(stages, state.group("pp")) if model.fsdp_turbo_pipeline.plan.has_experts else None
     facts = model.fsdp_turbo_facts
     if not facts.experts:
         return None
     return MoETelemetry(model, tuple(container.name for container in facts.experts), facts.routers,
-                        ep=model.parallel_state.sizes.ep)
+                        ep=state.sizes.ep)
+
 
 
 def scalars(row: dict[str, object]) -> dict[str, float]:

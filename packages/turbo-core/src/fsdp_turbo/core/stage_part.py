@@ -7,6 +7,8 @@ a later stage's hidden states arrive already cut to this rank's chunk)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from torch import nn
@@ -36,3 +38,29 @@ def stage_role(model: nn.Module) -> StageRole | None:
 
 def is_stage_part(model: nn.Module) -> bool:
     return stage_role(model) is not None
+
+
+def stage_parts(model: nn.Module) -> list[nn.Module]:
+    """The modules holding this rank's share of ``model``: its pipeline stages (the first is
+    ``model`` itself), or ``model`` alone. Their parameter names are the whole model's."""
+    runner = getattr(model, "fsdp_turbo_pipeline", None)
+    return list(runner.parts) if runner is not None else [model]
+
+
+_inferring = [False]  # set while the pipeline schedule runs a stage only to learn its shapes
+
+
+@contextmanager
+def metadata_inference() -> Iterator[None]:
+    """Marks a pass the pipeline schedule runs to learn the shapes its stages exchange (a
+    real forward and backward of one micro-batch, before the step's own): what counts
+    forwards (MoE telemetry) leaves it out."""
+    _inferring[0] = True
+    try:
+        yield
+    finally:
+        _inferring[0] = False
+
+
+def in_metadata_inference() -> bool:
+    return _inferring[0]

@@ -11,6 +11,7 @@ from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.model_facts import ModelFacts
+from fsdp_turbo.core.patterns import is_peft_model
 from fsdp_turbo.core.plugin import FeaturePlan, PlanRow
 from fsdp_turbo.distributed.pipeline_parallel.schedules import SCHEDULES, check_microbatches, stages_per_rank
 from fsdp_turbo.distributed.pipeline_parallel.stages import StageSpec, plan_stages
@@ -30,6 +31,7 @@ class PipelinePlan(FeaturePlan):
     embedding: str  # on the first stage
     last: tuple[str, ...]  # the modules after the layers (final norm, head): on the last stage
     ignore_index: int
+    has_experts: bool  # the whole model has MoE layers (some stages may hold none)
 
     def local_stages(self, pp_rank: int) -> tuple[StageSpec, ...]:
         """This rank's stages, in stage order."""
@@ -65,7 +67,11 @@ class PipelinePlan(FeaturePlan):
                              f"{self.microbatches} micro-batches)", self.modules_of(stage)) for stage in self.stages)
 
 
-def _check_composable(config: FSDPTurboConfig) -> None:
+def _check_composable(config: FSDPTurboConfig, model: nn.Module) -> None:
+    if is_peft_model(model):
+        raise ConfigError("pipeline_parallel_size", config.pipeline_parallel_size,
+                          "set it to 1 for a PEFT model, or train the full model",
+                          reason="splitting a PEFT model into stages is not verified against one process yet")
     if config.router_bias_update_rate > 0:
         raise ConfigError("router_bias_update_rate", config.router_bias_update_rate,
                           "set it to 0, or pipeline_parallel_size to 1",
@@ -112,7 +118,7 @@ def _check_ends(model: nn.Module, facts: ModelFacts, outside: list[str]) -> tupl
 
 
 def plan_pipeline(config: FSDPTurboConfig, model: nn.Module, pp: int, facts: ModelFacts) -> PipelinePlan:
-    _check_composable(config)
+    _check_composable(config, model)
     kind = SCHEDULES[config.pipeline_schedule]
     per_rank = stages_per_rank(config.pipeline_schedule, config.pipeline_stages_per_rank)
     layers = _layer_list(model, facts)
@@ -121,4 +127,4 @@ def plan_pipeline(config: FSDPTurboConfig, model: nn.Module, pp: int, facts: Mod
     check_microbatches(config.pipeline_schedule, microbatches, len(stages), pp)
     embedding, last = _check_ends(model, facts, _outside(model, layers))
     return PipelinePlan(pp, config.pipeline_schedule, microbatches, stages, layers, embedding, last,
-                        facts.ignore_index)
+                        facts.ignore_index, bool(facts.experts))

@@ -12,9 +12,24 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.parallel_state import ParallelState
+from fsdp_turbo.core.stage_part import metadata_inference
 from fsdp_turbo.distributed.pipeline_parallel.plan import PipelinePlan
 from fsdp_turbo.distributed.pipeline_parallel.schedules import SCHEDULES
 from fsdp_turbo.distributed.pipeline_parallel.stages import StageSpec
+
+
+class _Stage(PipelineStage):
+    """torch's stage, its shape-learning passes marked (:func:`metadata_inference`). torch
+    >= 2.12 learns the shapes the stages exchange from a real forward and backward of one
+    micro-batch, at the first step and whenever a step follows an evaluation."""
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        with metadata_inference():
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        with metadata_inference():
+            return super()._prepare_backward_infra(*args, **kwargs)
 
 
 def _as_loss(loss: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
@@ -37,7 +52,7 @@ class PipelineRunner:
         self._group = state.mesh("pp").get_group()
         device = torch.device(state.device_type) if state.device_type == "cpu" else torch.device(
             state.device_type, torch.get_device_module(state.device_type).current_device())
-        self.stages = [PipelineStage(module, spec.index, len(plan.stages), device, group=self._group)
+        self.stages = [_Stage(module, spec.index, len(plan.stages), device, group=self._group)
                        for spec, module in parts]
         kind = SCHEDULES[plan.schedule]
         schedule = get_schedule_class(kind.torch_name)
@@ -63,13 +78,23 @@ class PipelineRunner:
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, *, position_ids: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None,
-             num_items_in_batch: torch.Tensor | None = None) -> torch.Tensor:
+             num_items_in_batch: torch.Tensor | float | None = None) -> torch.Tensor:
         """Forward and backward of one batch (``[rows, seq]`` each, the same on every rank of
         this pipeline; ``labels`` as the model takes them, unshifted); returns the batch's
         loss on every rank. ``num_items_in_batch`` is the loss's divisor (default: the
         batch's loss tokens; a data-parallel loop passes its global count over the data
         shards, as to the model's own forward). Gradients accumulate in the parameters, as
         ``loss.backward()`` would leave them."""
+        return self._run(self.schedule.step, input_ids, labels, position_ids, attention_mask, num_items_in_batch)
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None,
+                 num_items_in_batch: torch.Tensor | float | None = None) -> torch.Tensor:
+        """The batch's loss, forward only (as ``step``, without gradients)."""
+        return self._run(self.schedule.eval, input_ids, labels, position_ids, attention_mask, num_items_in_batch)
+
+    def _run(self, run, input_ids, labels, position_ids, attention_mask, num_items_in_batch) -> torch.Tensor:
         rows = input_ids.shape[0]
         if rows % self.plan.microbatches:
             raise ConfigError("pipeline_microbatches", self.plan.microbatches,
@@ -86,8 +111,7 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
         extra = {"target": labels, "losses": losses} if self.has_last else {}
-        self.schedule.step(*args, **inputs, **extra)
+        run(*args, **inputs, **extra)
         loss = torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=input_ids.device)
         dist.broadcast(loss, src=self._last_rank, group=self._group)
         return loss
-
