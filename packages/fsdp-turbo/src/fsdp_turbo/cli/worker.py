@@ -54,6 +54,7 @@ from fsdp_turbo.core.device import (
 )
 from fsdp_turbo.core.failfast import FailFast
 from fsdp_turbo.core.logging import get_logger
+from fsdp_turbo.core.model_facts import ModelFacts
 from fsdp_turbo.core.moe_telemetry import MoETelemetry, telemetry_of
 from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.stage_part import stage_parts
@@ -169,6 +170,12 @@ def _parallelize(job: JobConfig, model: torch.nn.Module) -> torch.nn.Module:
     return FSDPTurbo(job.turbo, model)
 
 
+def _whole_facts(model: torch.nn.Module) -> ModelFacts:
+    """The facts of the whole model (a pipeline's first stage has its own, of its layers)."""
+    runner = getattr(model, "fsdp_turbo_pipeline", None)
+    return runner.plan.model_facts if runner is not None else model.fsdp_turbo_facts
+
+
 def _resume_point(job: JobConfig, resume: str, device: torch.device) -> Resume:
     fresh = _same_on_every_rank(new_run_id())
     with every_rank_or_none("find the checkpoint to resume", device):
@@ -237,7 +244,7 @@ def _setup(job: JobConfig, resume: str, sizes: JobSizes, hooks: fault_injection.
     model = _parallelize(job, _model(job, device))
     data = _data(job, model, device)
     # of the model as built (its blueprint: a meta copy from before any transform)
-    tokens_flops = flops_per_token(blueprint(model), model.fsdp_turbo_facts, job.data.seq_len)
+    tokens_flops = flops_per_token(blueprint(model), _whole_facts(model), job.data.seq_len)
     point = _resume_point(job, resume, device)
     _weights(job, model, point)
     optimizer, scheduler = _optimizer(job, model)

@@ -30,8 +30,7 @@ class PipelinePlan(FeaturePlan):
     layers: str  # the module list holding the decoder layers
     embedding: str  # on the first stage
     last: tuple[str, ...]  # the modules after the layers (final norm, head): on the last stage
-    ignore_index: int
-    has_experts: bool  # the whole model has MoE layers (some stages may hold none)
+    model_facts: ModelFacts  # the whole model's (each stage's part has its own, of what it holds)
 
     def local_stages(self, pp_rank: int) -> tuple[StageSpec, ...]:
         """This rank's stages, in stage order."""
@@ -127,4 +126,4 @@ def plan_pipeline(config: FSDPTurboConfig, model: nn.Module, pp: int, facts: Mod
     check_microbatches(config.pipeline_schedule, microbatches, len(stages), pp)
     embedding, last = _check_ends(model, facts, _outside(model, layers))
     return PipelinePlan(pp, config.pipeline_schedule, microbatches, stages, layers, embedding, last,
-                        facts.ignore_index, bool(facts.experts))
+                        facts)

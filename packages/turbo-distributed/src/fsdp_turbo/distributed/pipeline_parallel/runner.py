@@ -101,7 +101,7 @@ class PipelineRunner:
                               f"use a divisor of the batch's {rows} rows, or feed a multiple of it",
                               reason="every micro-batch holds the same number of rows")
         if num_items_in_batch is None:
-            num_items_in_batch = (labels[:, 1:] != self.plan.ignore_index).sum().clamp(min=1)
+            num_items_in_batch = (labels[:, 1:] != self.plan.model_facts.ignore_index).sum().clamp(min=1)
         if position_ids is None:  # every stage needs them: a later one cannot count its tokens' places
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         # a number, not a tensor: the schedule hands it whole to every micro-batch's call
