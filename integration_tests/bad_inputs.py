@@ -55,6 +55,17 @@ def _global_batch_on(world: int) -> None:
     job.run.accumulation(job.turbo.validate(world).dp_replicate_x_fsdp)
 
 
+def _pipeline_rows_on(world: int) -> None:
+    """PP=2 x FSDP=2: 2 rows a step on each data shard, which 4 pipeline micro-batches cannot
+    split (what the worker derives before any process group)."""
+    from fsdp_turbo.cli.job_config import JobConfig
+    from fsdp_turbo.cli.sizes import job_sizes
+
+    job_sizes(JobConfig.from_dict({"model": {"config": {"model_type": "llama"}},
+                                   "run": {"micro_batch": 2, "global_batch": 4},
+                                   "turbo": {"pipeline_parallel_size": 2, "pipeline_microbatches": 4}}), world)
+
+
 def _unknown_model_type(_inputs: dict) -> None:
     """The HF config built from ``model.config`` (as the launcher does before any worker)."""
     from fsdp_turbo.cli.job_config import JobConfig
@@ -175,8 +186,8 @@ CASES: dict[str, Case] = {
     "pipeline layers do not split into the stages": _config({"pipeline_parallel_size": 2,
                                                               "pipeline_schedule": "interleaved_1f1b"}),
     "pipeline micro-batches below the stages": _config({"pipeline_microbatches": 1, "pipeline_parallel_size": 2}),
-    "pipeline in fsdp-turbo train": _job({"turbo": {"pipeline_parallel_size": 2}},
-                                         "fsdp-turbo train does not run pipeline stages yet"),
+    "pipeline micro-batches do not split a step's rows": Case(
+        "job file", lambda _i: _pipeline_rows_on(world=4), "turbo.pipeline_microbatches"),
     "tp pattern matches nothing": Case("config", lambda _i: _facade(
         {"tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": ["*.nothing"]}}), "tp_plan.colwise_parallel"),
     "tp on a non-Linear": Case("config", lambda _i: _facade(

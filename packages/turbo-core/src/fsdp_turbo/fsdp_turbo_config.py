@@ -169,7 +169,9 @@ class FSDPPlanConfig(ConfigSection):
     reshard_after_forward: bool | int | None = None
     """``True`` frees each unit's gathered parameters after its forward (gathered again in
     backward), ``False`` keeps them until backward, an int N reshards to groups of N ranks (often
-    the ranks of one node). Unset: FSDP2's default (units reshard, the root does not)."""
+    the ranks of one node). Unset: FSDP2's default (units reshard, the root does not); beside
+    a ``zbv`` or ``dualpipev`` pipeline, whose weight gradients come in a pass of their own,
+    unset means ``False``, and resharding is refused."""
 
     keep_after_forward: tuple[str, ...] = ()
     """Patterns of units (among those picked) that keep their parameters gathered from forward to
