@@ -42,7 +42,8 @@ TIMED = ("tokens_per_s", "tflops_per_rank")
 
 def _eval_file(folder: Path) -> str:
     path = folder / "eval.jsonl"
-    words = "pipelines send hidden states between their stages while the schedule keeps every rank busy".split()
+    words = ["pipelines", "send", "hidden", "states", "between", "their", "stages", "while", "the", "schedule",
+             "keeps", "every", "rank", "busy"]
     path.write_text("".join(json.dumps({"text": " ".join(words[i % 7:i % 7 + 4 + i % 9])}) + "\n" for i in range(32)))
     return str(path)
 

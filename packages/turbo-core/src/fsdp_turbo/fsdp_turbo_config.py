@@ -81,6 +81,8 @@ LOW_PRECISION_GATHER_MODES = ("on-demand", "all")
 FSDP_IMPLEMENTATIONS = ("native",)  # torch's fully_shard; the upstream's fine-grained FSDP is not here
 RECOMPUTE_POLICIES = ("full", "selective")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
+# Stages a rank holds when pipeline_stages_per_rank is unset
+PIPELINE_STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
 # The schedules whose backward runs in two passes (input gradients, then weight gradients):
 # the weight pass finds the parameters the forward used only if FSDP kept them gathered
 SPLIT_BACKWARD_SCHEDULES = ("zbv", "dualpipev")

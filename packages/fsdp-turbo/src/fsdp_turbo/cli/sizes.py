@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fsdp_turbo.cli.job_config import JobConfig
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.core.parallel_state import ParallelSizes
+from fsdp_turbo.fsdp_turbo_config import PIPELINE_STAGES_PER_RANK
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,9 @@ def _check_pipeline_rows(job: JobConfig, sizes: JobSizes) -> None:
     """A pipeline runs each step's micro-batches (``micro_batch x accumulation`` rows a data
     shard) as one batch, split into ``pipeline_microbatches``; an evaluation, each eval
     micro-batch (``micro_batch`` rows) alike. Both must split evenly."""
-    from fsdp_turbo.distributed.pipeline_parallel.schedules import stages_per_rank
-
     turbo = job.turbo
-    split = turbo.pipeline_microbatches or sizes.parallel.pp * stages_per_rank(turbo.pipeline_schedule,
-                                                                                 turbo.pipeline_stages_per_rank)
+    per_rank = turbo.pipeline_stages_per_rank or PIPELINE_STAGES_PER_RANK[turbo.pipeline_schedule]
+    split = turbo.pipeline_microbatches or sizes.parallel.pp * per_rank
     rows = sizes.micro_batch * sizes.accumulation
     if rows % split:
         raise ConfigError("turbo.pipeline_microbatches", split, f"use a divisor of the {rows} rows each data shard "

@@ -131,7 +131,8 @@ def check_training_arguments(args: Any, config: FSDPTurboConfig) -> FSDPTurboCon
     _refuse_other_layouts(args)
     if config.pipeline_parallel_size > 1:
         raise ConfigError("pipeline_parallel_size", config.pipeline_parallel_size,
-                          "train a pipelined model through fsdp-turbo train or model.fsdp_turbo_pipeline.step, or set it to 1",
+                          "train a pipelined model through fsdp-turbo train or model.fsdp_turbo_pipeline.step, "
+                          "or set it to 1",
                           reason="the Trainer calls the model's forward for each batch; a pipeline runs a schedule")
     config = adopt_owned_features(args, config)
     return adopt_mixed_precision(args, config)

@@ -239,7 +239,8 @@ def telemetry_of(model: nn.Module) -> MoETelemetry | None:
                                part.fsdp_turbo_facts.routers, ep=state.sizes.ep, group=stage_ranks)
                   for part in stage_parts(model)]
         # the whole model's facts decide (a stage may hold no MoE layer while another does)
-        return StagesTelemetry(stages, state.group("pp")) if model.fsdp_turbo_pipeline.plan.model_facts.experts else None
+        whole = model.fsdp_turbo_pipeline.plan.model_facts
+        return StagesTelemetry(stages, state.group("pp")) if whole.experts else None
     facts = model.fsdp_turbo_facts
     if not facts.experts:
         return None

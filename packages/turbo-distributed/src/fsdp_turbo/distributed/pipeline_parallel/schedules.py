@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_turbo.core.errors import ConfigError
+from fsdp_turbo.fsdp_turbo_config import PIPELINE_STAGES_PER_RANK
 
 
 @dataclass(frozen=True)
@@ -21,12 +22,13 @@ class ScheduleKind:
         return self.style == "v" or self.stages_per_rank > 1
 
 
+_DEFAULT = PIPELINE_STAGES_PER_RANK
 SCHEDULES: dict[str, ScheduleKind] = {
-    "gpipe": ScheduleKind("GPipe", 1, "loop", fixed=True),
-    "1f1b": ScheduleKind("1F1B", 1, "loop", fixed=True),
-    "interleaved_1f1b": ScheduleKind("Interleaved1F1B", 2, "loop", fixed=False),
-    "zbv": ScheduleKind("ZBVZeroBubble", 2, "v", fixed=True),
-    "dualpipev": ScheduleKind("DualPipeV", 2, "v", fixed=True),
+    "gpipe": ScheduleKind("GPipe", _DEFAULT["gpipe"], "loop", fixed=True),
+    "1f1b": ScheduleKind("1F1B", _DEFAULT["1f1b"], "loop", fixed=True),
+    "interleaved_1f1b": ScheduleKind("Interleaved1F1B", _DEFAULT["interleaved_1f1b"], "loop", fixed=False),
+    "zbv": ScheduleKind("ZBVZeroBubble", _DEFAULT["zbv"], "v", fixed=True),
+    "dualpipev": ScheduleKind("DualPipeV", _DEFAULT["dualpipev"], "v", fixed=True),
 }
 
 
