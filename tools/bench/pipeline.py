@@ -1,11 +1,13 @@
 """Pipeline parallel's bubble and the bytes its stages exchange, each against the schedule's
 theory: a Llama of 8 layers (hidden 256, vocab 4096), 8 rows of 256 tokens a step, PP=2 on 2
-gloo ranks (one core each), float32, through ``model.fsdp_turbo_pipeline.step``.
+gloo ranks (one thread each, as one device a stage), float32, through
+``model.fsdp_turbo_pipeline.step``.
 
 Printed, per schedule and micro-batch count ``m``:
-- the bubble: ``1 - (W / p) / T``. ``T`` is the pipeline's step (forward and backward, the
-  median of 6 after 2 warm-up steps); ``W`` is the fair baseline, measured in the same run
-  by one rank while the other waits: the same model in one process, plain PyTorch, running
+- the bubble: ``1 - (W / p) / T``. ``T`` is the pipeline's step (forward and backward);
+  ``W`` is the fair baseline, measured in the same run by one rank while the other waits,
+  in pairs with the pipeline's steps (6 pairs after 2 warm-up ones; the median of the
+  pairs' ratios): the same model in one process, plain PyTorch, running
   the same ``m`` micro-batches forward and backward one after another (gradient
   accumulation), so ``W / p`` is a perfect pipeline's step. Theory, the idle share of a
   step: ``(p - 1) / (v m + p - 1)`` for GPipe and 1F1B (``v = 1``) and interleaved 1F1B
@@ -26,7 +28,7 @@ import statistics
 import time
 
 import torch
-from report import result
+from report import paired_ratio, result
 from torch.utils._python_dispatch import TorchDispatchMode
 
 MODEL = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8,
@@ -65,9 +67,9 @@ def _timed(run) -> float:
     return time.perf_counter() - started
 
 
-def _accumulated(microbatches: int) -> list[float]:
-    """The baseline, on this rank alone: the whole model, plain PyTorch, ``microbatches``
-    forward and backward passes of the step's rows one after another."""
+def _accumulated(microbatches: int):
+    """The baseline's step, on this rank alone: the whole model, plain PyTorch,
+    ``microbatches`` forward and backward passes of the step's rows one after another."""
     from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
 
     model, tokens = tiny_hf_causal_lm("llama", seed=0, **MODEL), _tokens()
@@ -78,37 +80,30 @@ def _accumulated(microbatches: int) -> list[float]:
             model(input_ids=rows, labels=rows, num_items_in_batch=items).loss.backward()
         model.zero_grad(set_to_none=True)
 
-    times = []
-    for index in range(WARMUP + STEPS):
-        started = time.perf_counter()
-        step()
-        if index >= WARMUP:
-            times.append(time.perf_counter() - started)
-    return times
+    return step
 
 
 def pipeline_job(schedule: str, microbatches: int) -> dict:
-    import torch.distributed as dist
-
     from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
+    torch.set_num_threads(1)  # one core a rank, as one device a stage: the baseline too
     config = {"pipeline_parallel_size": PP, "pipeline_schedule": schedule, "pipeline_microbatches": microbatches}
     model = FSDPTurbo(config, tiny_hf_causal_lm("llama", seed=0, **MODEL))
     runner, tokens = model.fsdp_turbo_pipeline, _tokens()
+    baseline = _accumulated(microbatches)
 
     def step() -> None:
         runner.step(tokens, tokens)
         for part in runner.parts:
             part.zero_grad(set_to_none=True)
 
-    times = [_timed(step) for _ in range(WARMUP + STEPS)][WARMUP:]
+    # in adjacent pairs, so the machine's drift cancels in each pair's ratio (report.paired_ratio)
+    pairs = [(_timed(step), _timed(baseline)) for _ in range(WARMUP + STEPS)][WARMUP:]
     counter = SentBytes()
     with counter:
         step()
-    baseline = _accumulated(microbatches) if dist.get_rank() == 0 else []
-    dist.barrier()  # the other rank waits, idle, while rank 0 measures the baseline
-    return {"times": times, "sent": counter.sent, "baseline": baseline}
+    return {"times": [p for p, _ in pairs], "baseline": [b for _, b in pairs], "sent": counter.sent}
 
 
 def _theory_bubble(schedule: str, microbatches: int) -> float:
@@ -131,14 +126,15 @@ def main() -> None:
           f"{MODEL['hidden_size']}, {ROWS} x {SEQ} tokens a step")
     for schedule, microbatches in SCHEDULES:
         ranks = run_distributed(pipeline_job, PP, schedule, microbatches, timeout=1800)
-        step = statistics.median(max(r["times"][i] for r in ranks) for i in range(STEPS))
-        work = statistics.median(ranks[0]["baseline"])
-        bubble, theory = 1 - (work / PP) / step, _theory_bubble(schedule, microbatches)
+        steps = [max(r["times"][i] for r in ranks) for i in range(STEPS)]
+        ratio = paired_ratio(steps, [b / PP for b in ranks[0]["baseline"]])  # T / (W / p)
+        step, work = statistics.median(steps), statistics.median(ranks[0]["baseline"])
+        bubble, theory = 1 - 1 / ratio, _theory_bubble(schedule, microbatches)
         sent, expected = sum(r["sent"] for r in ranks), _theory_bytes(schedule)
         label = f"{schedule}, m={microbatches}"
-        print(f"  {label:22s} step {step * 1e3:7.1f} ms, one-process work {work * 1e3:7.1f} ms: bubble "
+        print(f"  {label:22s} step {step * 1e3:7.1f} ms, baseline {work * 1e3:7.1f} ms: bubble "
               f"{bubble:.3f} (theory {theory:.3f}); sent {sent / 2**20:.2f} MiB (theory {expected / 2**20:.2f})")
-        result(f"pipeline {label}: step time vs one-process work / p", step / (work / PP),
+        result(f"pipeline {label}: step time vs plain PyTorch work / p", ratio,
                f"theory {1 / (1 - theory):.3f}", f"bubble {bubble:.3f}, theory {theory:.3f}; "
                f"{step * 1e3:.0f} vs {work / PP * 1e3:.0f} ms")
         result(f"pipeline {label}: bytes between stages vs theory", sent / expected, "1.00",

@@ -40,6 +40,7 @@ BENCHES = {
     "mx_all_gather": [],
     "moe_skew": [],
     "memory_model": [],
+    "pipeline": [],
 }
 
 
