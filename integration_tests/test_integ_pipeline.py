@@ -70,3 +70,19 @@ def test_pipeline_beside_the_other_packages_features_matches_one_process():
                              grads={k: v for rank in per_rank for k, v in rank[name].grads.items()})
         reference = _reference(REFERENCES[name]) if name in REFERENCES else plain
         assert_parity(reference, merged, loss_rtol=2e-5, grad_rtol=1e-4, grad_atol=1e-6)
+
+
+def test_a_peft_model_is_refused_by_name():
+    """Splitting a PEFT model into stages is not verified: refused before anything runs."""
+    from peft import LoraConfig, get_peft_model
+
+    from fsdp_turbo.core.errors import ConfigError
+    from fsdp_turbo.core.parallel_state import ParallelState
+    from fsdp_turbo.fsdp_turbo import model_facts, plan_transforms
+    from fsdp_turbo.fsdp_turbo_config import FSDPTurboConfig
+
+    config = FSDPTurboConfig.from_dict({"pipeline_parallel_size": 2})
+    model = get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj"]))
+    state = ParallelState(config.validate(2), rank=0, device_type="cpu", distributed=True)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size=2 is invalid: splitting a PEFT model"):
+        plan_transforms(config, model, state, facts=model_facts(config, model))
