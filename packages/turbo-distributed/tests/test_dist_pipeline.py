@@ -39,6 +39,8 @@ FOUR_RANKS = {
     "PP=4 zbv": (8, {"pipeline_parallel_size": 4, "pipeline_schedule": "zbv"}),
     "PP=2 x FSDP=2 dualpipev": (4, {"pipeline_parallel_size": 2, "fully_shard_parallel_size": 2,
                                     "pipeline_schedule": "dualpipev"}),
+    "PP=2 x DP=2 (replicated) zbv": (4, {"pipeline_parallel_size": 2, "data_parallel_size": 2,
+                                         "pipeline_schedule": "zbv"}),
     "PP=2 x TP=2 with SP, gpipe": (4, {"pipeline_parallel_size": 2, "pipeline_schedule": "gpipe",
                                        "tensor_parallel_size": 2, "tp_plan": TP_SP}),
     "PP=2 x TP=2 with SP, loss parallel, sharded embedding and head, 1f1b": (
