@@ -114,7 +114,9 @@ class Faults:
         """Kill, stop or fail this process, where a fault says so."""
         for kind, sent in _SIGNALS.items():
             if self._due(kind, step, rank):
-                os.kill(os.getpid(), sent)
+                # to this thread, not the process: a process-directed SIGSTOP may be taken by
+                # another thread while this one runs on into the next collective before it stops
+                signal.raise_signal(sent)
         if self._due("raise", step, rank):
             raise InjectedFault(f"fault injection: rank {rank} fails after step {step} ({VARIABLE})")
 
