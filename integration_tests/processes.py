@@ -30,10 +30,6 @@ def tree(pid: int) -> dict[int, str]:
     return found
 
 
-def children(pid: int) -> list[int]:
-    return sorted(child for child, (parent, _) in processes().items() if parent == pid)
-
-
 def pending(pid: int, signum: int) -> bool:
     """Whether ``signum`` waits to be delivered to ``pid`` (a stopped process takes it once continued)."""
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)

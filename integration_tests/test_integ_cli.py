@@ -252,7 +252,7 @@ def test_a_preemption_signal_saves_the_step_and_the_next_run_repeats_the_uninter
     and ends as the uninterrupted run: its losses and weights to the bit."""
     import signal
 
-    from processes import children, pending, tree, wait_for
+    from processes import pending, tree, wait_for
 
     output = tmp_path / "out"
     command = [sys.executable, "-m", "fsdp_turbo.cli.main", "train", str(job_file), "--nproc-per-node", "2",
@@ -262,7 +262,8 @@ def test_a_preemption_signal_saves_the_step_and_the_next_run_repeats_the_uninter
     try:
         wait_for(lambda: list(tree(launcher.pid).values()).count("T") == 2 or launcher.poll() is not None,
                  "both workers held after step 3")
-        workers = children(launcher.pid)
+        # the workers: forked from the launcher's forkserver (``cli.main.run_agent``), its grandchildren
+        workers = [pid for pid, state in tree(launcher.pid).items() if state == "T"]
         assert launcher.poll() is None and len(workers) == 2, launcher.communicate()
         launcher.send_signal(signal.SIGTERM)
         wait_for(lambda: all(pending(pid, signal.SIGTERM) for pid in workers), "the signal passed on to the workers")

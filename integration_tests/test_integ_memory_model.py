@@ -17,6 +17,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 WORLD = 4
 TOLERANCE = 0.10
+# both tests read the one launch of ``measured``: on one worker it runs once (else each worker ran it)
+pytestmark = pytest.mark.xdist_group("memory_model")
 
 
 @pytest.fixture(scope="module")

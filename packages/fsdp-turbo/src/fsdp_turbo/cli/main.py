@@ -9,8 +9,8 @@
     fsdp-turbo data JOB.yaml [--show N] [--output-dir DIR]
 
 ``train`` checks the job file, then hands the job to PyTorch's own launcher
-(``torch.distributed.run``, i.e. torchrun), which starts ``fsdp_turbo.cli.worker`` on every
-rank, restarts the group when a worker dies (``--max-restarts``) and handles multi-node
+(``torch.distributed.run``, i.e. torchrun's agent, run here: ``run_agent``), which starts
+``fsdp_turbo.cli.worker``'s ranks (forked from a server that imported them once), restarts the group when a worker dies (``--max-restarts``) and handles multi-node
 rendezvous. ``plan`` is a dry run on the meta device. ``data`` tokenizes and packs the
 data (into the cache ``train`` then uses) and shows the first sequences and statistics.
 """
@@ -148,12 +148,47 @@ def _check_train(job, args: argparse.Namespace) -> None:
     _prepare_data_here(job, args)
 
 
+# What every rank imports, imported once per launch by the forkserver the workers fork from.
+WORKER_PRELOAD = ["fsdp_turbo.cli.worker", "transformers.modeling_utils"]
+
+
+def run_agent(launch: list[str]) -> None:
+    """torchrun's agent, in this process, on a ``torchrun_args`` command line: torchrun's own
+    rendezvous, restarts, signals and failure reports, with one change. torchrun would start
+    each worker as ``python -u -m fsdp_turbo.cli.worker``, and every worker would import
+    torch, transformers and the library again (4-5 s of CPU each on the suite's machine,
+    more than a tiny job's training). Here each is a function (``worker.rank_main``) forked
+    from a forkserver that imported them once for the launch (``WORKER_PRELOAD``); torch
+    starts no thread and touches no device at import, so forking afterwards is safe. A
+    restart forks fresh workers from the same server."""
+    import multiprocessing
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args, parse_min_max_nnodes
+
+    from fsdp_turbo.cli.worker import rank_main
+
+    script = launch.index("-m")
+    args = parse_args([*launch[:script], "--start-method", "forkserver", *launch[script:]])
+    # what torchrun's ``run`` does with the same flags before it launches
+    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
+                           and parse_min_max_nnodes(args.nnodes)[1] == 1):
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    config, _, _ = config_from_args(args)  # sets OMP_NUM_THREADS=1 for several workers, as torchrun does
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")  # torchrun's ``python -u``: the server and its forks
+    multiprocessing.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
+    # record: a failed worker's error, as torchrun's ``main`` reports it
+    record(elastic_launch(config=config, entrypoint=rank_main))(launch[script + 2:])
+
+
 def _launch(job, args: argparse.Namespace) -> int:
     """torchrun, with the resolved job in a folder of this launch's (``cli.resolved_job``); the
     preemption signals passed on to the workers (``cli.preemption``). Returns the exit code:
     0, or ``PREEMPTED_EXIT`` when the workers saved and ended on a preemption signal."""
-    from torch.distributed.run import main as torchrun
-
     from fsdp_turbo.cli import preemption
     from fsdp_turbo.cli.resolved_job import VARIABLE, write_resolved
 
@@ -166,7 +201,7 @@ def _launch(job, args: argparse.Namespace) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="fsdp-turbo-job-") as folder:
             os.environ[VARIABLE] = str(write_resolved(job, args.config, folder))
-            torchrun(torchrun_args(args, notice.torchrun_signals))
+            run_agent(torchrun_args(args, notice.torchrun_signals))
     finally:
         notice.close()
     record = preemption.read_mark(job.output_dir)

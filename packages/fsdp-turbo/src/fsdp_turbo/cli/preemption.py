@@ -115,14 +115,20 @@ def clear_mark(output_dir: str | Path) -> None:
         (Path(output_dir) / MARKER).unlink()
 
 
-def _children() -> list[int]:
-    """This process's child processes (torchrun's workers: the agent runs in this process)."""
-    me, found = os.getpid(), []
+def _children(parent: int) -> list[int]:
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent:
                 found.append(int(stat.parent.name))
     return found
+
+
+def _workers() -> list[int]:
+    """torchrun's workers: the agent runs in this process and forks them from its forkserver
+    (``cli.main.run_agent``), so they are this process's grandchildren. Its children (the
+    forkserver, multiprocessing's resource tracker) and the workers' own children are not."""
+    return [pid for child in _children(os.getpid()) for pid in _children(child)]
 
 
 class LauncherNotice(_Notice):
@@ -136,6 +142,6 @@ class LauncherNotice(_Notice):
         super().__init__(signals, "the launcher")
 
     def _on(self, signum: int) -> None:
-        for pid in _children():
+        for pid in _workers():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signum)

@@ -60,6 +60,7 @@ from fsdp_turbo.core.parallel_state import ParallelState
 from fsdp_turbo.core.stage_part import stage_parts
 
 _log = get_logger("fsdp_turbo.cli.worker")  # not "__main__" under python -m
+_REPORT_GRACE_S = 2.0  # ``rank_main``: twenty of the agent's default monitor intervals (0.1 s)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -476,7 +477,7 @@ def train(job: JobConfig, resume: str = "auto", stop_at_step: int | None = None)
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
+def _rank(argv: list[str] | None) -> None:
     parser = argparse.ArgumentParser(description="one rank of fsdp-turbo train")
     parser.add_argument("config", help="the job file (its resolved form comes from fsdp-turbo train)")
     parser.add_argument("--resume", default="auto")
@@ -486,6 +487,31 @@ def main(argv: list[str] | None = None) -> None:
     # DTensor's note that a 2-D (efsdp x ep) gradient norm takes two all-reduces, every step.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     train(job, args.resume, args.stop_at_step)
+
+
+def rank_main(argv: list[str]) -> None:
+    """One rank as ``fsdp-turbo train`` starts it: a function torchrun's agent runs in a
+    process forked from the launcher's forkserver (``cli.main.run_agent``). It returns (the
+    agent collects every rank's return); multiprocessing then ends the process without
+    finalizing the interpreter, which ``end_process`` does for ``main``."""
+    try:
+        _rank(argv)
+    except Exception:
+        # The agent reports the first worker it finds ended, and only that one. A rank whose
+        # peer was killed (the OOM killer, SIGKILL) fails at once on the broken connection:
+        # waiting a moment lets the agent find the killed rank first, the root cause; a rank
+        # that raises waits as long, so the first to fail is still found first. Every rank's
+        # own error goes to the log, as a worker process printed it.
+        _log.exception("this rank failed")
+        time.sleep(_REPORT_GRACE_S)
+        raise
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m fsdp_turbo.cli.worker``: one rank under a plain torchrun."""
+    _rank(argv)
     end_process(0)
 
 
