@@ -101,8 +101,7 @@ def kept_pairs(mask: str, seq: int, positions: torch.Tensor) -> int:
 
 
 def _counted_pairs() -> list[float]:
-    """Count the query-key pairs of every forward block kernel call (a causal tile: half). Tiles of
-    one shape run stacked along the batch dimension, whose size is their count here (batch 1)."""
+    """Count the query-key pairs of every forward block kernel call (a causal tile: half)."""
     from fsdp_turbo.core.ops import get_op, register_op
     from fsdp_turbo.distributed.context_parallel.ring_kernels import FORWARD
 
@@ -110,7 +109,7 @@ def _counted_pairs() -> list[float]:
     inner = get_op(FORWARD, "cpu")
 
     def counted(q, k, v, scale, mask, causal=False):
-        pairs[0] += q.shape[0] * q.shape[2] * k.shape[2] / (2 if causal else 1)
+        pairs[0] += q.shape[2] * k.shape[2] / (2 if causal else 1)
         return inner(q, k, v, scale, mask, causal)
 
     register_op(FORWARD, "cpu", override=True)(counted)

@@ -41,6 +41,7 @@ BENCHES = {
     "moe_skew": [],
     "memory_model": [],
     "pipeline": [],
+    "launch": [],
 }
 
 

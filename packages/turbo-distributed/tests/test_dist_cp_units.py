@@ -215,49 +215,6 @@ def test_the_block_map_computes_what_the_mask_keeps(name):
         assert pairs <= 1.25 * int(kept.sum()) + rows * block, (rank, pairs, int(kept.sum()))
 
 
-@pytest.mark.parametrize("name", ["window", "window with padding", "documents"])
-def test_tiles_of_one_shape_run_as_one_kernel_call(name):
-    """Rank 1 of 4 at sequence 1024 (chunks of 256), blocks of 32 rows. A 64-token window cuts its
-    own chunk into 8 query blocks of up to three tiles (the window's edge, the keys every row
-    sees, the diagonal; the first blocks' edges lie in the previous rank's chunk): 21 tiles in
-    four batched kernel calls (the edges, the full keys, the diagonals, and the one block whose
-    edge the chunk's start cuts to a full square). Padding in one row makes the tiles it reaches masked (their
-    masks are stacked): six calls; documents of 96 cut blocks at their starts: 12 tiles, three
-    calls. The batched calls give each tile's output, lse and gradients as one call per tile
-    does, to float32 rounding, GQA (8 query heads on 2 K/V heads), batch 2."""
-    from fsdp_turbo.distributed.context_parallel.blocks import ring_tiles
-    from fsdp_turbo.distributed.context_parallel.context import ForwardContext
-    from fsdp_turbo.distributed.context_parallel.ring_kernels import _batches, attend_tiles, start_partials, tile_grads
-    from fsdp_turbo.distributed.context_parallel.ring_math import chunk_positions
-
-    seq, cp, rank, block = 1024, 4, 1, 32
-    positions = [chunk_positions(seq, cp, r, False) for r in range(cp)]
-    padding = torch.ones(2, seq, dtype=torch.bool)
-    padding[1, 300:340] = False
-    documents = torch.arange(seq)[None].expand(2, -1) // 96 if name == "documents" else None
-    context = ForwardContext(seq, padding_mask=padding if "padding" in name else None, documents=documents,
-                             ring_positions=positions)
-    window = None if name == "documents" else 64
-    tiles = ring_tiles(context, rank, torch.device("cpu"), window, block=block)[rank]
-    batches = _batches(tiles, seq // cp, seq // cp, 0)
-    assert (len(tiles), len(batches)) == {"window": (21, 4), "window with padding": (21, 6), "documents": (12, 3)}[name]
-    generator = torch.Generator().manual_seed(0)
-    q, k, v, grad_out = (torch.randn(2, heads, seq // cp, 16, generator=generator) for heads in (8, 2, 2, 8))
-    results = []
-    for calls in ([tiles], [[tile] for tile in tiles]):  # batched; one tile a call
-        out, lse = start_partials(q, None)
-        for part in calls:
-            attend_tiles(q, k, v, 0.25, part, out, lse)
-        grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for part in calls:
-            dk, dv = tile_grads(q, k, v, 0.25, part, out, lse, grad_out, grad_q)
-            grad_k += dk
-            grad_v += dv
-        results.append((out, lse, grad_q, grad_k, grad_v))
-    for batched, single in zip(*results, strict=True):
-        torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-6)
-
-
 def test_a_window_ships_only_the_rows_it_reaches():
     """Contiguous chunks of 1024 and a 128-token window: the next rank sees the last 127 rows
     of each chunk, so only those travel (the last rank's chunk: nobody else's, one row). Zig-zag
