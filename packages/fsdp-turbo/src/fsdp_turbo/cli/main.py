@@ -10,9 +10,10 @@
 
 ``train`` checks the job file, then hands the job to PyTorch's own launcher
 (``torch.distributed.run``, i.e. torchrun's agent, run here: ``run_agent``), which starts
-``fsdp_turbo.cli.worker``'s ranks (forked from a server that imported them once), restarts the group when a worker dies (``--max-restarts``) and handles multi-node
-rendezvous. ``plan`` is a dry run on the meta device. ``data`` tokenizes and packs the
-data (into the cache ``train`` then uses) and shows the first sequences and statistics.
+``fsdp_turbo.cli.worker``'s ranks (forked from a server that imported them once), restarts
+the group when a worker dies (``--max-restarts``) and handles multi-node rendezvous.
+``plan`` is a dry run on the meta device. ``data`` tokenizes and packs the data (into the
+cache ``train`` then uses) and shows the first sequences and statistics.
 """
 
 from __future__ import annotations
