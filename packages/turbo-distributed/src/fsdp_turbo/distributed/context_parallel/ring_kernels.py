@@ -47,19 +47,10 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the CPU flash kernels read it right: any strides, but the last dimension's 1.
-    A tile is a slice of its chunk's rows, a view with the heads' strides: the kernels read it
-    in place (bit for bit what they compute from a contiguous copy), where copying every tile's
-    inputs cost as much as a window's tiles compute. A last dimension of another stride (a
-    transposed gradient) gives the forward kernel wrong numbers, without an error: copied."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 @register_op(FORWARD, "cpu")
 def cpu_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       mask: torch.Tensor | None, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k, v = (_unit_stride(t) for t in (q, k, v))
+    q, k, v = (t.contiguous() for t in (q, k, v))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale)
     if mask is not None:
@@ -73,7 +64,8 @@ def cpu_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 def cpu_flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
                        out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, causal: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grad_out, q, k, v, out, lse = (_unit_stride(t) for t in (grad_out, q, k, v, out, lse))
+    # the kernel takes contiguous tensors only (grad_out comes from a transpose)
+    grad_out, q, k, v, out, lse = (t.contiguous() for t in (grad_out, q, k, v, out, lse))
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale)
     return grads[0], grads[1], grads[2]
