@@ -185,12 +185,15 @@ def _coverage(blocks, positions, rank, seq):
     return covered, pairs
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["up to three tiles a block", "whole blocks"])
 @pytest.mark.parametrize("name", ["window", "documents", "chunk", "causal", "causal zig-zag", "window zig-zag"])
-def test_the_block_map_computes_what_the_mask_keeps(name):
+def test_the_block_map_computes_what_the_mask_keeps(name, whole):
     """Sequence 4096 over 4 ranks (the issue's case), the default blocks of 64 query rows: every
     kept pair is computed exactly once, none outside the mask, and the pairs computed are at most
-    1.25 times the pairs kept plus one block (64 x 64) per 64 query rows. A 128-token window or 16
-    packed documents of 256 then cost each rank about 1/16 of its causal work."""
+    1.25 times the pairs kept plus one block (64 x 64) per 64 query rows, whether a cut block's
+    keys are split into up to three tiles (a causal square counting half) or computed as one
+    masked tile (``whole_blocks``, CPU's). A 128-token window or 16 packed documents of 256 then
+    cost each rank about 1/16 of its causal work."""
     from fsdp_turbo.distributed.context_parallel.blocks import DEFAULT_BLOCK, ring_tiles
     from fsdp_turbo.distributed.context_parallel.context import ForwardContext
     from fsdp_turbo.distributed.context_parallel.ring_math import chunk_positions, visible
@@ -206,7 +209,7 @@ def test_the_block_map_computes_what_the_mask_keeps(name):
         allowed &= (index // chunk)[:, None] == (index // chunk)[None, :]
     for rank in range(cp):
         context = ForwardContext(seq, documents=documents, ring_positions=positions)
-        blocks = ring_tiles(context, rank, torch.device("cpu"), window, chunk, block=block)
+        blocks = ring_tiles(context, rank, torch.device("cpu"), window, chunk, block=block, whole_blocks=whole)
         covered, pairs = _coverage(blocks, positions, rank, seq)
         kept = allowed[positions[rank]]
         assert covered.max() <= 1

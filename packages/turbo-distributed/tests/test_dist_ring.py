@@ -175,7 +175,7 @@ def _full_mask(case: dict) -> torch.Tensor:
     return mask
 
 
-def _block_rank(mode: str, name: str):
+def _block_rank(mode: str, name: str, whole: bool):
     import torch.distributed as dist
 
     from fsdp_turbo.distributed.context_parallel.blocks import ring_tiles, shipped_rows
@@ -190,7 +190,7 @@ def _block_rank(mode: str, name: str):
     context = ForwardContext(LONG, padding_mask=case.get("padding"), documents=case.get("documents"),
                              ring_positions=positions)
     window, chunk = case.get("window"), case.get("chunk")
-    tiles = ring_tiles(context, rank, torch.device("cpu"), window, chunk, block=BLOCK)
+    tiles = ring_tiles(context, rank, torch.device("cpu"), window, chunk, block=BLOCK, whole_blocks=whole)
     leaves = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
     sink = SINKS.repeat(2).clone().requires_grad_() if case.get("sinks") else None
     plain = "documents" not in case and "padding" not in case
@@ -207,7 +207,7 @@ def _block_rank(mode: str, name: str):
 
 
 def _every_mask(mode: str) -> dict:
-    return {name: _block_rank(mode, name) for name in MASKS}
+    return {(name, whole): _block_rank(mode, name, whole) for name in MASKS for whole in (False, True)}
 
 
 def _expected(case: dict):
@@ -229,14 +229,17 @@ def _expected(case: dict):
 def test_block_sparse_attention_equals_full_attention(mode):
     """Under each mask (one launch for all): output, dQ/dK/dV (GQA: 4 query heads on 2 K/V
     heads) and the sinks' gradient equal one full attention, for the ring (with its shortened,
-    trimmed sends) and the KV all-gather."""
+    trimmed sends) and the KV all-gather; each with a cut block's keys in up to three tiles and
+    in one (``whole_blocks``, what CPU runs)."""
     results = run_distributed(_every_mask, CP, mode, timeout=120)
-    for name, case in MASKS.items():
+    for (name, whole), case in ((key, MASKS[key[0]]) for key in results[0]):
         expected, leaves, sinks = _expected(case)
+        label = f"{name}, whole blocks {whole}"
         for rank_results in results:
-            mine, out, grads, _ = rank_results[name]
-            torch.testing.assert_close(out, expected[:, :, mine], rtol=1e-5, atol=1e-6, msg=name)
+            mine, out, grads, _ = rank_results[name, whole]
+            torch.testing.assert_close(out, expected[:, :, mine], rtol=1e-5, atol=1e-6, msg=label)
             for got, leaf in zip(grads, leaves, strict=True):
-                torch.testing.assert_close(got, leaf.grad[:, :, mine], rtol=1e-5, atol=1e-5, msg=name)
+                torch.testing.assert_close(got, leaf.grad[:, :, mine], rtol=1e-5, atol=1e-5, msg=label)
         if sinks is not None:
-            torch.testing.assert_close(sum(r[name][3] for r in results), sinks.grad, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(sum(r[name, whole][3] for r in results), sinks.grad, rtol=1e-5, atol=1e-6,
+                                       msg=label)

@@ -405,8 +405,9 @@ class CPPlanConfig(ConfigSection):
     """Ring and KV all-gather: the query rows of one block where the mask cuts a pair of chunks
     (a window, chunks, packed documents). Each block computes only the keys its rows see, so
     the work exceeds what the mask keeps by at most about half a ``block_size`` square per block
-    (nothing for a window the block size divides: its edge runs as a reversed causal square);
-    smaller blocks waste less, in more kernel calls."""
+    (nothing for a window the block size divides: its edge runs as a reversed causal square; on
+    CPU, whose kernel computes a causal square whole, each block is one masked tile over the
+    keys it sees); smaller blocks waste less, in more kernel calls."""
 
     def __post_init__(self) -> None:
         _set(self, "mode", check_choice(self.mode, "cp_plan.mode", ("ulysses", "ring", "hybrid", "kv_allgather")))

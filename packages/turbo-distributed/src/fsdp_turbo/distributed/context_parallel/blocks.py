@@ -17,6 +17,8 @@ zig-zag: two). For each pair of runs (this rank's queries, a source's keys):
   square per query block, whatever the mask: a window, chunks, packed documents or causal.
 
 Full tiles side by side (zig-zag's off-diagonal halves, a window's full rows) are joined.
+With ``whole_blocks`` (kernels that compute a causal square as dearly as a full one: CPU's), a
+query block is one tile over all the keys it sees instead, masked where the mask cuts it.
 
 ``shipped_rows`` says which rows of each source's chunk any other rank can see: a contiguous
 ring with a window sends only those.
@@ -159,16 +161,25 @@ def _query_blocks(run: slice, positions: torch.Tensor, block: int, breaks: set[i
 
 
 def _block_tiles(rows: slice, k_run: slice, mine: torch.Tensor, theirs: torch.Tensor, context, device: torch.device,
-                 window: int | None, chunk: int | None, plain: bool) -> list[Tile]:
+                 window: int | None, chunk: int | None, plain: bool, whole: bool = False) -> list[Tile]:
     """One query block against the keys of ``k_run`` it can see: the window's lower edge
-    (masked), the keys every row sees (no mask), the diagonal (causal or masked)."""
+    (masked), the keys every row sees (no mask), the diagonal (causal or masked). ``whole``:
+    one tile over all of them instead (masked where the mask cuts it)."""
     r_first, r_last = ends(mine, rows)
     starts = context.document_starts() if context.documents is not None else None
     low = earliest(r_first, window, chunk if plain else None, starts)  # the first key position any row may see
+    k_first, k_last = ends(theirs, k_run)
+    if whole:
+        a, b = max(low, k_first), min(r_last + 1, k_last + 1)
+        if a >= b:
+            return []
+        keys = slice(k_run.start + a - k_first, k_run.start + b - k_first)
+        tile = _plain_tile((r_first, r_last), (a, b - 1), rows, keys, window, chunk) if plain else None
+        tile = tile or _masked_tile(rows, keys, mine, theirs, context, device, window, chunk)
+        return [] if tile is None else [tile]
     # every row sees the keys [every, r_first); the window's edge [low, every) is the square whose
     # last key only the last row's window just reaches: an upper triangle when nothing clips it
     every = min(max(low, r_last - window + 2), r_first) if window is not None else low
-    k_first, k_last = ends(theirs, k_run)
     tiles = []
     for a, b in ((low, every), (every, r_first), (r_first, r_last + 1)):
         a, b = max(a, k_first), min(b, k_last + 1)
@@ -183,21 +194,21 @@ def _block_tiles(rows: slice, k_run: slice, mine: torch.Tensor, theirs: torch.Te
 
 
 def _pair_tiles(q_run: slice, k_run: slice, mine: torch.Tensor, theirs: torch.Tensor, context, device: torch.device,
-                window: int | None, chunk: int | None, block: int) -> list[Tile]:
+                window: int | None, chunk: int | None, block: int, whole: bool) -> list[Tile]:
     q_ends, k_ends = ends(mine, q_run), ends(theirs, k_run)
     plain = context.documents is None and context.padding_mask is None
     starts = context.document_starts() if context.documents is not None else None
     if unseen(q_ends, k_ends, window, chunk if plain else None, starts):
         return []
-    if plain and (whole := _plain_tile(q_ends, k_ends, q_run, k_run, window, chunk)) is not None:
-        return [whole]
+    if plain and (entire := _plain_tile(q_ends, k_ends, q_run, k_run, window, chunk)) is not None:
+        return [entire]
     breaks = set()
     if chunk is not None and plain:
         breaks |= set(range(0, q_ends[1] + 1, chunk))
     if context.documents is not None:
         breaks |= context.document_breaks()
     return [tile for rows in _query_blocks(q_run, mine, block, breaks)
-            for tile in _block_tiles(rows, k_run, mine, theirs, context, device, window, chunk, plain)]
+            for tile in _block_tiles(rows, k_run, mine, theirs, context, device, window, chunk, plain, whole)]
 
 
 def _join(tiles: list[Tile], along: str) -> list[Tile]:
@@ -219,19 +230,23 @@ def _join(tiles: list[Tile], along: str) -> list[Tile]:
 
 
 def source_tiles(context, mine: torch.Tensor, theirs: torch.Tensor, device: torch.device, window: int | None = None,
-                 chunk: int | None = None, block: int = DEFAULT_BLOCK) -> list[Tile]:
-    """This rank's queries (positions ``mine``) against one source's keys (``theirs``)."""
+                 chunk: int | None = None, block: int = DEFAULT_BLOCK, whole_blocks: bool = False) -> list[Tile]:
+    """This rank's queries (positions ``mine``) against one source's keys (``theirs``);
+    ``whole_blocks``: see ``ring_tiles``."""
     tiles = [tile for q_run in runs(mine) for k_run in runs(theirs)
-             for tile in _pair_tiles(q_run, k_run, mine, theirs, context, device, window, chunk, block)]
+             for tile in _pair_tiles(q_run, k_run, mine, theirs, context, device, window, chunk, block, whole_blocks)]
     return _join(_join(tiles, "k"), "q")
 
 
 def ring_tiles(context, rank: int, device: torch.device, window: int | None = None, chunk: int | None = None,
-               block: int = DEFAULT_BLOCK) -> list[list[Tile]]:
+               block: int = DEFAULT_BLOCK, whole_blocks: bool = False) -> list[list[Tile]]:
     """This rank's queries against every rank's keys: causal by global position, within each
-    packed document, the sliding window and the chunk, never onto padding."""
+    packed document, the sliding window and the chunk, never onto padding. ``whole_blocks``:
+    a query block the mask cuts is one tile over every key it sees (masked), not up to three
+    (for kernels that compute a causal square as dearly as a full one)."""
     positions = [p.to(device) for p in context.ring_positions]
-    return [source_tiles(context, positions[rank], theirs, device, window, chunk, block) for theirs in positions]
+    return [source_tiles(context, positions[rank], theirs, device, window, chunk, block, whole_blocks)
+            for theirs in positions]
 
 
 def ring_steps(positions: list[torch.Tensor], window: int | None, chunk: int | None = None,

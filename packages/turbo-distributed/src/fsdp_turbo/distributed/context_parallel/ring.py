@@ -41,7 +41,12 @@ from fsdp_turbo.distributed.context_parallel.blocks import (
 )
 from fsdp_turbo.distributed.context_parallel.kv_allgather import kv_allgather_attention
 from fsdp_turbo.distributed.context_parallel.layer_masks import rescale_queries
-from fsdp_turbo.distributed.context_parallel.ring_kernels import attend_tiles, start_partials, tile_grads
+from fsdp_turbo.distributed.context_parallel.ring_kernels import (
+    attend_tiles,
+    causal_costs_whole,
+    start_partials,
+    tile_grads,
+)
 from fsdp_turbo.distributed.context_parallel.ring_math import sink_grad
 
 
@@ -169,7 +174,8 @@ def _block_map(state, context, device: torch.device, window: int | None, chunk: 
     """This rank's tiles per source and, for the ring, its steps and each chunk's shipped rows,
     for one mask kind: built by the first layer of each kind in a forward, reused by the others."""
     if (window, chunk) not in context.ring_tiles:
-        tiles = ring_tiles(context, state.ring_rank, device, window, chunk, block=state.block_size)
+        tiles = ring_tiles(context, state.ring_rank, device, window, chunk, block=state.block_size,
+                           whole_blocks=causal_costs_whole(device.type))
         steps = shipped = None  # the KV all-gather gathers every chunk whole
         if state.mode != "kv_allgather":
             reach = chunk if context.documents is None and context.padding_mask is None else None
