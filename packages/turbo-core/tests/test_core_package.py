@@ -20,13 +20,15 @@ def test_version_is_the_package_version():
 
 
 def test_core_imports_no_feature_package():
-    # transformers (and its hub library) only in the test helpers and the HF entry points, lazily.
+    # transformers (and its hub library) only in the test helpers (the ranks' preload builds its
+    # conversion table) and the HF entry points, lazily.
     # pytest only in the test harness's pytest plugins (rank pools, the skip rule).
     allowed = ("torch", "yaml", "fsdp_turbo.core", "fsdp_turbo.fsdp_turbo_config")
     assert foreign_imports(SRC / "core", (*allowed, "transformers", "huggingface_hub", "pytest")) == {}
     assert foreign_imports(SRC / "core", allowed).keys() <= {str(SRC / "core/testing/models.py"),
                                                               str(SRC / "core/testing/pytest_plugin.py"),
                                                               str(SRC / "core/testing/skips.py"),
+                                                              str(SRC / "core/testing/warm.py"),
                                                               str(SRC / "core/hf.py")}
 
 

@@ -107,9 +107,11 @@ def _prepare_data(job):
     clear error, and the workers find the cache (each prepares it itself only where this
     node has no copy, e.g. without a shared file system)."""
     from fsdp_turbo.cli.data import load_data
-    from fsdp_turbo.cli.model import hf_config
+    from fsdp_turbo.cli.model import hf_config, stated_vocab_size
 
-    vocab_size = getattr(hf_config(job.model), "vocab_size", None)
+    vocab_size = stated_vocab_size(job.model)
+    if vocab_size is None:
+        vocab_size = getattr(hf_config(job.model), "vocab_size", None)
     return load_data(job.data, job.output_dir, job.run.seed, vocab_size=vocab_size,
                      ignore_index=job.turbo.model_facts.ignore_index)
 
@@ -150,7 +152,7 @@ def _check_train(job, args: argparse.Namespace) -> None:
 
 
 # What every rank imports, imported once per launch by the forkserver the workers fork from.
-WORKER_PRELOAD = ["fsdp_turbo.cli.worker", "transformers.modeling_utils"]
+WORKER_PRELOAD = ["fsdp_turbo.cli.preload"]
 
 
 def run_agent(launch: list[str]) -> None:
@@ -159,7 +161,7 @@ def run_agent(launch: list[str]) -> None:
     each worker as ``python -u -m fsdp_turbo.cli.worker``, and every worker would import
     torch, transformers and the library again (4-5 s of CPU each on the suite's machine,
     more than a tiny job's training). Here each is a function (``worker.rank_main``) forked
-    from a forkserver that imported them once for the launch (``WORKER_PRELOAD``); torch
+    from a forkserver that imported them once for the launch (``WORKER_PRELOAD``: ``cli.preload``); torch
     starts no thread and touches no device at import, so forking afterwards is safe. A
     restart forks fresh workers from the same server."""
     import multiprocessing
@@ -168,8 +170,6 @@ def run_agent(launch: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args, parse_min_max_nnodes
-
-    from fsdp_turbo.cli.worker import rank_main
 
     script = launch.index("-m")
     args = parse_args([*launch[:script], "--start-method", "forkserver", *launch[script:]])
@@ -183,7 +183,16 @@ def run_agent(launch: list[str]) -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")  # torchrun's ``python -u``: the server and its forks
     multiprocessing.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
     # record: a failed worker's error, as torchrun's ``main`` reports it
-    record(elastic_launch(config=config, entrypoint=rank_main))(launch[script + 2:])
+    record(elastic_launch(config=config, entrypoint=_rank))(launch[script + 2:])
+
+
+def _rank(argv: list[str]) -> None:
+    """A worker's entry point (``worker.rank_main``), named here so that the launcher, which
+    only pickles it for the forkserver, never imports the worker and its dependencies (1 s of
+    CPU a launch): the forkserver has them preloaded."""
+    from fsdp_turbo.cli.worker import rank_main
+
+    rank_main(argv)
 
 
 def _launch(job, args: argparse.Namespace) -> int:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -21,6 +24,24 @@ def hf_config(section: ModelSection):
         return AutoConfig.from_pretrained(section.model_name_or_path, local_files_only=True)
     fields = dict(section.config)
     return AutoConfig.for_model(_known_model_type(fields.pop("model_type")), **fields)
+
+
+def stated_vocab_size(section: ModelSection) -> int | None:
+    """The model's ``vocab_size`` where the job's ``model.config`` or the folder's
+    ``config.json`` states it at the top level, read without transformers; else None (then
+    ``hf_config``'s). The launcher's data check needs only this number, and building the
+    config would import the model family and transformers' loading stack: 2 s of CPU a
+    launch on the suite's machine, for a process that never builds the model."""
+    if section.config is not None:
+        fields = section.config
+    else:
+        path = Path(section.model_name_or_path) / "config.json"
+        try:
+            fields = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None  # hf_config reads it and names what is wrong
+    size = fields.get("vocab_size") if isinstance(fields, dict) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def _known_model_type(model_type: str) -> str:

@@ -132,31 +132,33 @@ def tiny_hf_causal_lm(kind: str = "llama", *, seed: int = 0, dtype: torch.dtype 
     builds it with no storage (for ``fsdp_turbo.checkpoint``)."""
     import transformers
 
+    # class names, not classes: each attribute of transformers' lazy module imports its model
+    # family's files, so naming them all would import 18 families in every new rank process
     classes = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
-        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, TINY_MOE_DEFAULTS),
-        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, TINY_MIXTRAL_DEFAULTS),
-        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, TINY_QWEN2_MOE_DEFAULTS),
-        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, TINY_DEEPSEEK_V3_DEFAULTS),
-        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, TINY_GPT_OSS_DEFAULTS),
-        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, TINY_QWEN3_NEXT_DEFAULTS),
-        "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, TINY_QWEN3_5_DEFAULTS),
-        "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM,
-                        TINY_QWEN3_5_MOE_DEFAULTS),
-        "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM, TINY_GLM4_MOE_DEFAULTS),
-        "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM, TINY_MINIMAX_M2_DEFAULTS),
-        "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM, TINY_GEMMA4_DEFAULTS),
-        "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, TINY_LLAMA4_DEFAULTS),
-        "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM, TINY_KIMI_LINEAR_DEFAULTS),
-        "deepseek_v32": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM, TINY_DSA_DEFAULTS),
-        "deepseek_v4": (transformers.DeepseekV4Config, transformers.DeepseekV4ForCausalLM, TINY_DEEPSEEK_V4_DEFAULTS),
-        "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM,
+        "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", TINY_MOE_DEFAULTS),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM", TINY_MIXTRAL_DEFAULTS),
+        "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", TINY_QWEN2_MOE_DEFAULTS),
+        "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", TINY_DEEPSEEK_V3_DEFAULTS),
+        "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", TINY_GPT_OSS_DEFAULTS),
+        "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", TINY_QWEN3_NEXT_DEFAULTS),
+        "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", TINY_QWEN3_5_DEFAULTS),
+        "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", TINY_QWEN3_5_MOE_DEFAULTS),
+        "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", TINY_GLM4_MOE_DEFAULTS),
+        "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", TINY_MINIMAX_M2_DEFAULTS),
+        "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", TINY_GEMMA4_DEFAULTS),
+        "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", TINY_LLAMA4_DEFAULTS),
+        "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", TINY_KIMI_LINEAR_DEFAULTS),
+        "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", TINY_DSA_DEFAULTS),
+        "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", TINY_DEEPSEEK_V4_DEFAULTS),
+        "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",
                         {**TINY_DSA_DEFAULTS, "indexer_types": ["full", "shared"]}),
     }
     if kind not in classes:
         raise ValueError(f"unknown tiny model {kind!r}; use one of {sorted(classes)}")
-    config_cls, model_cls, extra = classes[kind]
+    config_name, model_name, extra = classes[kind]
+    config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
     config = config_cls(**{**TINY_DEFAULTS, **extra, **overrides})
     if device is not None and torch.device(device).type == "meta":
         with torch.device("meta"):

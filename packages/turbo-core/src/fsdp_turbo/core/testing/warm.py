@@ -20,3 +20,13 @@ from fsdp_turbo.core.plugin import ENTRY_POINT_GROUP
 # The transforms of the installed feature packages (a package session has only its own).
 for _point in entry_points(group=ENTRY_POINT_GROUP):
     _point.load()
+
+# transformers builds its table of checkpoint conversions (every model type's, each with its
+# regexes compiled) on a process's first save or load of a model: 0.3 s of CPU in every rank
+# that saves or loads. Built here, the ranks inherit it.
+try:
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+except ImportError:  # no transformers in this session, or transformers 4 (no conversions)
+    pass
+else:
+    get_checkpoint_conversion_mapping("llama")
