@@ -264,3 +264,29 @@ def test_the_jobs_ignore_index_labels_the_data_and_keys_the_sft_cache(tmp_path):
 
 def _flat(rows) -> list[int]:
     return [value for row in rows for value in row]
+
+
+def test_the_launchers_vocab_check_reads_the_size_the_job_states(tmp_path):
+    """Before launch, the data's tokenizer is checked against the model's vocab_size as the job's
+    ``model.config`` or the folder's config.json states it (read without building the config);
+    unstated, the model type's default (from the built config). A model smaller than the byte
+    tokenizer's 256 tokens fails with the fix, each way."""
+    from fsdp_turbo.cli.job_config import ModelSection
+    from fsdp_turbo.cli.main import _prepare_data
+    from fsdp_turbo.cli.model import stated_vocab_size
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**LLAMA, "vocab_size": 100}))
+    unstated = {key: value for key, value in LLAMA.items() if key != "vocab_size"}
+    assert stated_vocab_size(ModelSection(config={**LLAMA, "vocab_size": 100})) == 100
+    assert stated_vocab_size(ModelSection(model_name_or_path=str(folder))) == 100
+    assert stated_vocab_size(ModelSection(config=unstated)) is None  # LlamaConfig's default, 32000: it fits
+    (tmp_path / "text.txt").write_text("a few words of text " * 100)
+    data = {"files": [str(tmp_path / "text.txt")], "seq_len": 32}
+    for model in ({"config": {**LLAMA, "vocab_size": 100}}, {"model_name_or_path": str(folder)}):
+        job = JobConfig.from_dict({"model": model, "output_dir": str(tmp_path / "out"), "data": data})
+        with pytest.raises(ConfigError, match="use a model with vocab_size >= "):
+            _prepare_data(job)
+    assert _prepare_data(JobConfig.from_dict({"model": {"config": unstated}, "output_dir": str(tmp_path / "out"),
+                                              "data": data})).train_sources
