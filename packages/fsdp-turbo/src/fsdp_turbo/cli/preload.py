@@ -5,8 +5,8 @@ with its regexes compiled: 0.3 s of CPU in every rank, for the final ``save_pret
 Nothing here starts a thread or touches a device, so forking afterwards stays safe."""
 
 import transformers.modeling_utils  # noqa: F401
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 import fsdp_turbo.cli.worker  # noqa: F401
+from fsdp_turbo.core.hf import build_conversion_table
 
-get_checkpoint_conversion_mapping("llama")
+build_conversion_table()

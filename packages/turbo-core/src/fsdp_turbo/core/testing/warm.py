@@ -15,18 +15,18 @@ import torch.distributed.tensor.parallel
 import torch.utils.checkpoint  # noqa: F401
 
 import fsdp_turbo.core.testing  # noqa: F401
+from fsdp_turbo.core.hf import build_conversion_table
 from fsdp_turbo.core.plugin import ENTRY_POINT_GROUP
 
 # The transforms of the installed feature packages (a package session has only its own).
 for _point in entry_points(group=ENTRY_POINT_GROUP):
     _point.load()
 
-# transformers builds its table of checkpoint conversions (every model type's, each with its
-# regexes compiled) on a process's first save or load of a model: 0.3 s of CPU in every rank
-# that saves or loads. Built here, the ranks inherit it.
+# transformers' checkpoint-conversion table, built here once instead of in every rank that saves
+# or loads (core.hf imports transformers lazily: a session without it builds nothing)
 try:
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-except ImportError:  # no transformers in this session, or transformers 4 (no conversions)
+    import transformers  # noqa: F401
+except ImportError:  # no transformers in this session
     pass
 else:
-    get_checkpoint_conversion_mapping("llama")
+    build_conversion_table()

@@ -161,27 +161,23 @@ def _query_blocks(run: slice, positions: torch.Tensor, block: int, breaks: set[i
 
 
 def _block_tiles(rows: slice, k_run: slice, mine: torch.Tensor, theirs: torch.Tensor, context, device: torch.device,
-                 window: int | None, chunk: int | None, plain: bool, whole: bool = False) -> list[Tile]:
+                 window: int | None, chunk: int | None, plain: bool, whole: bool) -> list[Tile]:
     """One query block against the keys of ``k_run`` it can see: the window's lower edge
     (masked), the keys every row sees (no mask), the diagonal (causal or masked). ``whole``:
     one tile over all of them instead (masked where the mask cuts it)."""
     r_first, r_last = ends(mine, rows)
     starts = context.document_starts() if context.documents is not None else None
     low = earliest(r_first, window, chunk if plain else None, starts)  # the first key position any row may see
-    k_first, k_last = ends(theirs, k_run)
     if whole:
-        a, b = max(low, k_first), min(r_last + 1, k_last + 1)
-        if a >= b:
-            return []
-        keys = slice(k_run.start + a - k_first, k_run.start + b - k_first)
-        tile = _plain_tile((r_first, r_last), (a, b - 1), rows, keys, window, chunk) if plain else None
-        tile = tile or _masked_tile(rows, keys, mine, theirs, context, device, window, chunk)
-        return [] if tile is None else [tile]
-    # every row sees the keys [every, r_first); the window's edge [low, every) is the square whose
-    # last key only the last row's window just reaches: an upper triangle when nothing clips it
-    every = min(max(low, r_last - window + 2), r_first) if window is not None else low
+        spans = [(low, r_last + 1)]
+    else:
+        # every row sees the keys [every, r_first); the window's edge [low, every) is the square whose
+        # last key only the last row's window just reaches: an upper triangle when nothing clips it
+        every = min(max(low, r_last - window + 2), r_first) if window is not None else low
+        spans = [(low, every), (every, r_first), (r_first, r_last + 1)]
+    k_first, k_last = ends(theirs, k_run)
     tiles = []
-    for a, b in ((low, every), (every, r_first), (r_first, r_last + 1)):
+    for a, b in spans:
         a, b = max(a, k_first), min(b, k_last + 1)
         if a >= b:
             continue
