@@ -130,17 +130,17 @@ def main() -> None:
     loop = {name: _loop_seconds(root / name) for name in seconds}
     print(f"training loop: {loop['none']:.1f} s with the last checkpoint only; {loop['sync']:.1f} s synchronous; "
           f"{loop['async']:.1f} s in the background")
-    cost = {}
+    cost, waited = {}, {}
     for name in ("sync", "async"):
-        waits, excess, quiet = _save_cost(root / name, saves)
-        cost[name] = waits + excess
-        print(f"{name}: the loop waited {waits:.2f} s at the {len(saves)} extra checkpoints (per save: "
-              f"{[_waited(root / name)[s] for s in saves]}); the {AFTER} steps after each took {excess:.2f} s beyond "
+        per_save = _waited(root / name)
+        waited[name], excess, quiet = _save_cost(root / name, saves)
+        cost[name] = waited[name] + excess
+        print(f"{name}: the loop waited {waited[name]:.2f} s at the {len(saves)} extra checkpoints (per save: "
+              f"{[per_save[s] for s in saves]}); the {AFTER} steps after each took {excess:.2f} s beyond "
               f"the run's median step without a save in flight ({quiet:.2f} s)")
     result(f"cost of {len(saves)} extra checkpoints to the training loop, background vs synchronous (58M Llama, "
            "2 ranks; each run against its own steps)", cost["async"] / cost["sync"], "<= 0.35",
            f"{cost['async']:.2f} vs {cost['sync']:.2f} s")
-    waited = {name: _save_cost(root / name, saves)[0] for name in cost}
     result(f"time the loop waited at {len(saves)} extra checkpoints, background vs synchronous", waited["async"] /
            waited["sync"], "reported", f"{waited['async']:.2f} vs {waited['sync']:.2f} s")
 
@@ -159,6 +159,7 @@ def main() -> None:
         raise SystemExit("the runs differ, or the last checkpoint is missing")
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
+
 
 if __name__ == "__main__":
     main()

@@ -44,8 +44,9 @@ def portable_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the CPU flash kernels read it. They take any strides but the last dimension's,
     which must be 1 (else the forward's numbers are wrong, with no error), so a tile's slice of a
-    rank's queries or keys goes in as the view it is: copying each slice to a contiguous tensor
-    cost 190 copies a step, a tenth of a rank's time with a 128-token window (sequence 4096, CP=4)."""
+    rank's queries or keys goes in as the view it is, not a contiguous copy (with copies, a
+    64 x 192 tile of 16 heads took 0.71 ms forward and 1.54 ms backward, as views 0.56 and 1.31;
+    a rank with a 128-token window runs 18 such tiles a step)."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
