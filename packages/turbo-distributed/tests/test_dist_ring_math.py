@@ -116,3 +116,36 @@ def test_the_cpu_flash_kernels_equal_the_portable_ones():
         for got, want in zip(cpu_flash_backward(q, k, v, 0.3, mask, final_out, final_lse, grad_out),
                              block_grads(q, k, v, 0.3, mask, final_out, final_lse, grad_out), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _gqa_paths() -> list[bool]:
+    # natively where this torch's CPU flash kernels take GQA, and on copies everywhere
+    from fsdp_turbo.distributed.context_parallel.ring_kernels import NATIVE_GQA
+
+    return [True, False] if NATIVE_GQA else [False]
+
+
+@pytest.mark.parametrize("native", _gqa_paths(), ids=lambda native: "native" if native else "copied")
+def test_the_block_kernels_take_fewer_kv_heads_than_query_heads(monkeypatch, native):
+    """GQA: 4 query heads over 2 K/V heads equal the same kernels on K/V copied per query head,
+    dK/dV summed back per K/V head; the CPU kernels natively (torch >= 2.13) or on copies."""
+    from fsdp_turbo.distributed.context_parallel import ring_kernels
+
+    monkeypatch.setattr(ring_kernels, "NATIVE_GQA", native)
+    q, grad_out = _inputs(seq=8, heads=4)[::3]
+    k, v = _inputs(seq=8, heads=2, seed=1)[:2]
+    wide_k, wide_v = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    mask = visible(torch.arange(4, 12), torch.arange(8))
+    final_out, final_lse = block_attention(q, wide_k, wide_v, 0.3, None)
+    for forward, backward in ((ring_kernels.portable_forward, ring_kernels.portable_backward),
+                              (ring_kernels.cpu_flash_forward, ring_kernels.cpu_flash_backward)):
+        out, lse = forward(q, k, v, 0.3, mask)
+        want_out, want_lse = block_attention(q, wide_k, wide_v, 0.3, mask)
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
+        dq, dk, dv = backward(q, k, v, 0.3, mask, final_out, final_lse, grad_out)
+        want_dq, want_dk, want_dv = block_grads(q, wide_k, wide_v, 0.3, mask, final_out, final_lse, grad_out)
+        torch.testing.assert_close(dq, want_dq, rtol=1e-5, atol=1e-6)
+        for got, want in ((dk, want_dk), (dv, want_dv)):
+            assert got.shape == k.shape
+            torch.testing.assert_close(got, want.unflatten(1, (2, 2)).sum(2), rtol=1e-5, atol=1e-6)
