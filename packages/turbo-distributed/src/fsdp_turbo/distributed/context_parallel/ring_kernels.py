@@ -1,7 +1,9 @@
 """The ring's two block kernels, through the op registry: ``cp.ring_block_forward`` gives
 a block's (output, lse), ``cp.ring_block_backward`` its (dQ, dK, dV) from the final output
 and lse. ``causal``: the tile is a diagonal one (the same positions on both sides), so the
-kernel can skip its upper half instead of reading a mask.
+kernel can skip its upper half instead of reading a mask. K and V come with their own heads
+(GQA: fewer than the queries', each serving ``H / H_kv`` of them) and so do dK and dV: the
+ring carries K/V heads, and a kernel that wants a head per query head copies them itself.
 
 The portable kernels are ``ring_math``'s, which build the block's score matrix. On CPU,
 torch's flash-attention op for CPU (``_scaled_dot_product_flash_attention_for_cpu`` and
