@@ -249,3 +249,37 @@ def test_packed_documents_shorten_the_ring_and_its_sends():
     assert ring_steps(positions, None, None, long) == 2
     assert shipped_rows(positions, None, None, long) == [slice(0, 1024), slice(512, 1024), slice(1023, 1024),
                                                          slice(1023, 1024)]
+
+
+def _tile_facts(block_map):
+    tiles = block_map[0]
+    return [[(t.q, t.k, t.causal, t.reverse, None if t.mask is None else t.mask.tolist()) for t in source]
+            for source in tiles], block_map[1], block_map[2]
+
+
+def test_a_layout_builds_its_block_map_once_and_another_layout_its_own():
+    """Later forwards of the same layout (positions, documents, padding) reuse the first one's
+    block map; other documents get their own, equal to one built afresh; a model keeps the maps of
+    its last ``BLOCK_MAPS_KEPT`` layouts."""
+    from fsdp_turbo.distributed.context_parallel.context import ForwardContext
+    from fsdp_turbo.distributed.context_parallel.ring import BLOCK_MAPS_KEPT, _block_map, _build_block_map
+    from fsdp_turbo.distributed.context_parallel.ring_math import chunk_positions
+
+    positions = [chunk_positions(32, 4, r, False) for r in range(4)]
+    state, cpu = CPState(group=None, size=4, rank=1, mode="ring"), torch.device("cpu")
+
+    def context(documents=None):
+        return ForwardContext(32, documents=documents, ring_positions=[p.clone() for p in positions])
+
+    plain = _block_map(state, context(), cpu, 4, None)
+    assert _block_map(state, context(), cpu, 4, None) is plain
+    assert _block_map(state, context(), cpu, None, None) is not plain  # another mask kind
+    documents = (torch.arange(32) // 8)[None]
+    packed = _block_map(state, context(documents), cpu, 4, None)
+    assert packed is not plain
+    assert _tile_facts(packed) == _tile_facts(_build_block_map(state, context(documents), cpu, 4, None))
+    assert _tile_facts(packed) != _tile_facts(plain)
+    for length in range(1, BLOCK_MAPS_KEPT + 2):
+        _block_map(state, context((torch.arange(32) // length)[None]), cpu, 4, None)
+    assert len(state.block_maps) == BLOCK_MAPS_KEPT
+    assert _block_map(state, context(), cpu, 4, None) is not plain  # the oldest layouts' maps are gone

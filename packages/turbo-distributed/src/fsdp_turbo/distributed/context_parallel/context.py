@@ -3,6 +3,7 @@ read by the attention wrapper."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,16 @@ class ForwardContext:
             self._chunks[chunk] = ids
         return self._chunks[chunk]
 
+    def layout_key(self) -> tuple:
+        """What a layer's block map depends on besides its mask kind, by content: the sequence
+        length, every ring member's positions, the documents (and the position values, by which
+        packed rows count their chunks) and the padding. Steps of one layout share their maps."""
+        def content(tensor: torch.Tensor | None) -> tuple | None:
+            return None if tensor is None else (tuple(tensor.shape), tensor.detach().cpu().numpy().tobytes())
+
+        return (self.seq_len, tuple(content(p) for p in self.ring_positions or ()), content(self.documents),
+                content(self.positions if self.documents is not None else None), content(self.padding_mask))
+
     def document_breaks(self) -> set[int]:
         """The positions where a packed document begins in some row (the block map cuts its
         query blocks there)."""
@@ -96,6 +107,10 @@ class CPState:
     mode: str = "ulysses"  # "ring", "hybrid" or "kv_allgather"
     block_size: int = 64  # ring / KV all-gather: the query rows of one block of the block map
     load_balance: bool = True  # ring / hybrid: zig-zag chunks over the ring
+    # ring / KV all-gather: the block maps of the last few layouts (ForwardContext.layout_key), the
+    # newest last: a training run's steps mostly repeat one layout (one sequence length, no
+    # documents), and building a map costs Python work and, on a device, a sync per tile
+    block_maps: OrderedDict = field(default_factory=OrderedDict)
     # The two halves of CP rank ``ring_rank * ulysses_size + ulysses_rank``: the Ulysses
     # all-to-all runs inside a group of ulysses_size consecutive CP ranks, the ring (or the KV
     # all-gather) across them. Pure Ulysses: ulysses = the whole CP group; pure ring or KV

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F  # noqa: N812 - the torch idiom
 
 from fsdp_turbo.core.errors import ConfigError
 from fsdp_turbo.distributed.context_parallel.blocks import (
@@ -47,7 +46,7 @@ from fsdp_turbo.distributed.context_parallel.ring_kernels import (
     start_partials,
     tile_grads,
 )
-from fsdp_turbo.distributed.context_parallel.ring_math import sink_grad
+from fsdp_turbo.distributed.context_parallel.ring_math import sink_grad, to_width
 
 
 def _exchange(tensors: list[torch.Tensor], group: dist.ProcessGroup, hops: int = 1, rows: int | None = None
@@ -170,19 +169,31 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return RingAttention.apply(q, k, v, sinks, scale, blocks, group, steps, shipped)
 
 
+BLOCK_MAPS_KEPT = 8  # layouts whose block maps a model keeps (packed batches differ step by step)
+
+
+def _build_block_map(state, context, device: torch.device, window: int | None, chunk: int | None) -> tuple:
+    tiles = ring_tiles(context, state.ring_rank, device, window, chunk, block=state.block_size,
+                       whole_blocks=causal_costs_whole(device.type))
+    if state.mode == "kv_allgather":
+        return tiles, None, None  # the KV all-gather gathers every chunk whole
+    reach = chunk if context.documents is None and context.padding_mask is None else None
+    starts = context.document_starts() if context.documents is not None else None
+    return (tiles, ring_steps(context.ring_positions, window, reach, starts),
+            shipped_rows(context.ring_positions, window, reach, starts))
+
+
 def _block_map(state, context, device: torch.device, window: int | None, chunk: int | None) -> tuple:
     """This rank's tiles per source and, for the ring, its steps and each chunk's shipped rows,
-    for one mask kind: built by the first layer of each kind in a forward, reused by the others."""
+    for one mask kind: built by the first layer of each kind in a forward, reused by the others,
+    and by later forwards of the same layout (``CPState.block_maps``)."""
     if (window, chunk) not in context.ring_tiles:
-        tiles = ring_tiles(context, state.ring_rank, device, window, chunk, block=state.block_size,
-                           whole_blocks=causal_costs_whole(device.type))
-        steps = shipped = None  # the KV all-gather gathers every chunk whole
-        if state.mode != "kv_allgather":
-            reach = chunk if context.documents is None and context.padding_mask is None else None
-            starts = context.document_starts() if context.documents is not None else None
-            steps = ring_steps(context.ring_positions, window, reach, starts)
-            shipped = shipped_rows(context.ring_positions, window, reach, starts)
-        context.ring_tiles[window, chunk] = tiles, steps, shipped
+        key = (context.layout_key(), str(device), window, chunk)
+        block_map = state.block_maps.pop(key, None) or _build_block_map(state, context, device, window, chunk)
+        state.block_maps[key] = block_map
+        while len(state.block_maps) > BLOCK_MAPS_KEPT:
+            state.block_maps.popitem(last=False)
+        context.ring_tiles[window, chunk] = block_map
     return context.ring_tiles[window, chunk]
 
 
@@ -217,7 +228,7 @@ def ring_core(state) -> Any:
         # change no score and no output column: the block kernels take one head size.
         value_width = value.shape[-1]
         width = max(query.shape[-1], value_width)
-        query, key, value = (F.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
+        query, key, value = (to_width(t, width) for t in (query, key, value))
         # blocks in fp32 at least (fp64 stays): the merge and the recomputed backward are exact to rounding
         exact = torch.promote_types(query.dtype, torch.float32)
         q, k, v = query.to(exact), key.to(exact), value.to(exact)

@@ -49,6 +49,12 @@ def chunk_positions(seq_len: int, cp: int, rank: int, load_balance: bool) -> tor
                       torch.arange(second * size, (second + 1) * size)])
 
 
+def to_width(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` padded with zeros on its last dimension to ``width`` (MLA's narrower values beside
+    its queries and keys); ``t`` itself where it is that wide already (``F.pad`` would copy it)."""
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
 def visible(q_positions: torch.Tensor, k_positions: torch.Tensor,
             q_documents: torch.Tensor | None = None, k_documents: torch.Tensor | None = None,
             window: int | None = None) -> torch.Tensor:

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch import nn
 
 from fsdp_turbo.core.errors import ConfigError
@@ -28,6 +27,7 @@ from fsdp_turbo.core.hf import attention_function
 from fsdp_turbo.distributed.context_parallel.all_to_all import heads_to_sequence, sequence_to_heads
 from fsdp_turbo.distributed.context_parallel.context import CPState
 from fsdp_turbo.distributed.context_parallel.layer_masks import rescale_queries
+from fsdp_turbo.distributed.context_parallel.ring_math import to_width
 from fsdp_turbo.distributed.context_parallel.sparse import gather_rows, gather_sequence, picked
 
 
@@ -146,7 +146,7 @@ def ulysses_hf_attention(state: CPState, inner: str, core: Callable[..., Any] | 
         # of another width than queries and keys (MLA's) are padded with zeros to travel with them.
         qk_width, value_width = query.shape[-1], value.shape[-1]
         width = max(qk_width, value_width)
-        query, key, value = (F.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
+        query, key, value = (to_width(t, width) for t in (query, key, value))
         qkv = torch.cat([query, replicate_kv(key, kv_heads), replicate_kv(value, kv_heads)], dim=1)
         heads = query.shape[1]
         parts = [heads // cp, kv_heads // cp, kv_heads // cp]
