@@ -24,9 +24,14 @@ def _inputs():
 SINKS = torch.tensor([0.5, -1.0])  # one logit per head (gpt-oss), joined to every row with value 0
 
 
-def _rank(load_balance: bool, packed: bool, window: int | None = None, sinks: bool = False):
+def _rank(load_balance: bool, packed: bool, window: int | None = None, sinks: bool = False,
+          keep_rows: float | None = None):
     import torch.distributed as dist
 
+    from fsdp_turbo.distributed.context_parallel import ring
+
+    if keep_rows is not None:  # a shortened ring keeps received rows up to this share of its chunk
+        ring.KEEP_ROWS = keep_rows
     rank = dist.get_rank()
     q, k, v, grad_out = _inputs()
     positions = [chunk_positions(SEQ, CP, source, load_balance) for source in range(CP)]
@@ -63,12 +68,14 @@ def test_ring_attention_equals_full_attention(load_balance, packed):
             torch.testing.assert_close(got, leaf.grad[:, :, mine], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("load_balance", [True, False])
-def test_ring_attention_with_a_sliding_window_and_sinks_equals_full_attention(load_balance):
+@pytest.mark.parametrize(("load_balance", "keep_rows"), [(True, None), (False, 0.0), (False, 1.0)],
+                         ids=["zig-zag", "contiguous, K/V sent again", "contiguous, K/V kept"])
+def test_ring_attention_with_a_sliding_window_and_sinks_equals_full_attention(load_balance, keep_rows):
     """A window of 6 over chunks of 4 (zig-zag: every step still has a visible block) or 8
     (contiguous: only the previous rank's chunk is in reach, so the ring stops after 2 steps
-    and the dK/dV sums go home from there), with per-head sinks: output, dQ/dK/dV and the
-    sinks' gradient (each rank's share, summed) equal one full attention."""
+    and each rank's dK/dV of its neighbour's rows go straight home; the backward has the
+    neighbour's 5 rows sent again, or kept from the forward), with per-head sinks: output,
+    dQ/dK/dV and the sinks' gradient (each rank's share, summed) equal one full attention."""
     window = 6
     positions = [chunk_positions(SEQ, CP, rank, load_balance) for rank in range(CP)]
     assert ring_steps(positions, window) == (CP if load_balance else 2)
@@ -79,7 +86,7 @@ def test_ring_attention_with_a_sliding_window_and_sinks_equals_full_attention(lo
     mask = visible(torch.arange(SEQ), torch.arange(SEQ), window=window)
     expected = _full_attention_with_sinks(*leaves, mask, sinks)
     expected.backward(grad_out)
-    results = run_distributed(_rank, CP, load_balance, False, window, True, timeout=120)
+    results = run_distributed(_rank, CP, load_balance, False, window, True, keep_rows, timeout=120)
     for mine, out, grads, _ in results:
         torch.testing.assert_close(out, expected.detach()[:, :, mine], rtol=1e-5, atol=1e-6)
         for got, leaf in zip(grads, leaves, strict=True):
@@ -98,7 +105,7 @@ class _Logged:
         return self.request.wait()
 
 
-def _rank_events():
+def _rank_events(load_balance: bool = True, window: int | None = None, keep_rows: float | None = None):
     """Forward and backward of one ring call, logging each transfer's start and wait and
     each block computed, in order."""
 
@@ -119,7 +126,7 @@ def _rank_events():
 
     ring._exchange, ring_kernels.call_op = logged_exchange, logged_op
     try:
-        _rank(load_balance=True, packed=False)
+        _rank(load_balance=load_balance, packed=False, window=window, keep_rows=keep_rows)
     finally:
         ring._exchange, ring_kernels.call_op = exchange, call_op
     return log
@@ -137,6 +144,22 @@ def test_every_transfer_but_the_last_hides_behind_a_block():
             if kind == "wait" and not any(k == "block" for k, _ in log[starts[label]:i]):
                 exposed.append(label)
         assert set(exposed) == {max(starts)}, exposed
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["K/V sent again", "K/V kept"])
+def test_a_shortened_rings_gradients_go_straight_home(keep):
+    """A window of 6 over contiguous chunks of 8: the ring stops after 2 steps, and its forward
+    sends the 5 rows the window reaches. Its backward sends each rank's dK/dV of its
+    neighbour's rows straight home, after its blocks, and waits on them last; the neighbour's
+    rows travel again (one K/V transfer, hidden behind the own chunk's block) unless the
+    forward kept them (``KEEP_ROWS``): then the backward sends no K/V."""
+    for log in run_distributed(_rank_events, CP, False, 6, 1.0 if keep else 0.0, timeout=120):
+        starts = [i for i, (kind, _) in enumerate(log) if kind == "start"]
+        # forward K/V rows, [backward K/V rows,] backward dK/dV home
+        assert len(starts) == (2 if keep else 3), log
+        backward = [i for i, event in enumerate(log) if event == ("block", "cp.ring_block_backward")]
+        assert backward and max(backward) < starts[-1], log
+        assert all(kind == "wait" for kind, _ in log[starts[-1] + 1 :]), log
 
 
 # The block map on 4 ranks against one full attention: a window shorter than a chunk (the ring

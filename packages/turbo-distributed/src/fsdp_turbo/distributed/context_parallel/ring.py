@@ -4,11 +4,18 @@ Forward: at step ``s`` a rank holds the K/V chunk of rank ``(rank - s) % cp``; i
 sending that chunk on to ``rank + 1`` (and receiving the next from ``rank - 1``), computes
 the block meanwhile, and merges it into its output by log-sum-exp (``ring_math``).
 
-Backward, the same ring again: the K/V chunks travel as in the forward, and behind each
-one its dK/dV sums: every rank adds its block's gradients to the sums it received and
-passes them on; after ``cp`` hops they are home, complete. Both transfers are started a
-block ahead (the sums travel while the next block is computed), so only the last hop home
-is exposed. dQ stays local. Only the final output and lse are kept from the forward.
+Backward, the whole ring: the K/V chunks travel as in the forward, and behind each one
+its dK/dV sums: every rank adds its block's gradients to the sums it received and passes
+them on; after ``cp`` hops they are home, complete. Both transfers are started a block
+ahead (the sums travel while the next block is computed), so only the last hop home is
+exposed. dQ stays local. Only the final output and lse are kept from the forward.
+
+A shortened ring (a sliding window, blocks or documents over contiguous chunks: fewer steps
+than ranks) sends each rank's gradients of another's rows straight home instead, one
+transfer per step started as soon as they are computed and waited on at the end: one
+transfer and one wait per step fewer than passing the sums along. Where the rows it
+received in the forward are few (at most ``KEEP_ROWS`` of the chunk: a 128-token window
+over chunks of 1024 receives 127), the forward keeps them and the backward sends no K/V.
 
 Masks come from the global positions (and documents) of both chunks, which every rank
 knows from the full sequence the input splitter saw, so nothing but K/V and their
@@ -81,6 +88,11 @@ def _length(shipped: list[slice] | None, source: int, rows: int) -> int:
     return span.stop - span.start
 
 
+# A shortened ring keeps the K/V rows its forward received for its backward when they are at
+# most this share of its chunk: its saved K/V then grow by at most that much
+KEEP_ROWS = 0.25
+
+
 class RingAttention(torch.autograd.Function):
     """``out = softmax(q kᵀ · scale + mask) v`` over the whole sequence; q is this rank's
     chunk ``[B, H, S/cp, D]``, k and v ``[B, H_kv, S/cp, D]`` (H a multiple of H_kv: the
@@ -100,7 +112,11 @@ class RingAttention(torch.autograd.Function):
         steps, chunk = steps or size, k.shape[2]
         out, lse = start_partials(q, sinks)
         own = _span(shipped, rank, chunk)
-        current = [k, v]
+        current, kept = [k, v], []
+        # every rank decides alike (its peers send it K/V in the backward or not): by the most any receives
+        received = max(sum(_length(shipped, (member - step) % size, chunk) for step in range(1, steps))
+                       for member in range(size))
+        keep = steps < size and received <= KEEP_ROWS * chunk
         for step in range(steps):
             source = (rank - step) % size
             if step + 1 < steps:  # the next chunk travels while this one is computed
@@ -110,15 +126,21 @@ class RingAttention(torch.autograd.Function):
             attend_tiles(q, current[0], current[1], scale, tiles_of(blocks[source]), out, lse, offset)
             if step + 1 < steps:
                 current = _wait(pending)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
+                kept += current if keep else []
+        ctx.save_for_backward(q, k, v, out, lse, sinks, *kept)
         ctx.scale, ctx.blocks, ctx.group, ctx.steps, ctx.shipped = scale, blocks, group, steps, shipped
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
+        q, k, v, out, lse, sinks, *kept = ctx.saved_tensors
         group, blocks, scale, steps, shipped = ctx.group, ctx.blocks, ctx.scale, ctx.steps, ctx.shipped
         rank, size = dist.get_rank(group), dist.get_world_size(group)
+        grad_sinks = None if sinks is None else sink_grad(sinks.to(q.dtype), out, lse, grad_out).to(sinks.dtype)
+        if steps < size:
+            grad_q, grad_k, grad_v = _shortened_backward(q, k, v, kept, out, lse, grad_out, scale, blocks, group,
+                                                         steps, shipped)
+            return grad_q, grad_k, grad_v, grad_sinks, None, None, None, None, None
         chunk = k.shape[2]
         own = _span(shipped, rank, chunk)
         grad_q = torch.zeros_like(q)
@@ -145,22 +167,55 @@ class RingAttention(torch.autograd.Function):
             if incoming is not None:  # add the ranks before this one's shares of this chunk
                 received = _wait(incoming)
                 grad_k, grad_v = grad_k + received[0], grad_v + received[1]
-            # every hop, the last one included: after it each chunk's sums are home, complete (a
-            # shortened ring sends them home from the last rank that held the chunk: steps - 1 back)
+            # every hop, the last one included: after it each chunk's sums are home, complete
             last = step + 1 == steps
-            hops = (1 - steps) % size if last else 1
-            if hops == 0:  # one step: no chunk left home, so its sums are here (gloo has no pair to itself)
+            if size == 1:  # a ring of one: its sums are here (gloo has no pair to itself)
                 incoming = ([grad_k, grad_v], [])
             else:
-                incoming = _exchange([grad_k, grad_v], group, hops=hops,
+                incoming = _exchange([grad_k, grad_v], group,
                                      rows=_length(shipped, rank if last else (source - 1) % size, chunk))
             if pending is not None:
                 current = _wait(pending)
         received = _wait(incoming)
         for part, sums in zip(home, received, strict=True):
             part[:, :, own] += sums
-        grad_sinks = None if sinks is None else sink_grad(sinks.to(q.dtype), out, lse, grad_out).to(sinks.dtype)
         return grad_q, home[0], home[1], grad_sinks, None, None, None, None, None
+
+
+def _shortened_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kept: list[torch.Tensor],
+                        out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, scale: float, blocks: list,
+                        group: dist.ProcessGroup, steps: int, shipped: list[slice] | None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A shortened ring's backward: each step's dK/dV go straight home (``s`` ranks back at
+    step ``s``), while this rank's own rows' shares arrive from the ranks ahead; all are added
+    at the end, in step order. The K/V rows of each step past the first are ``kept`` (K, V per
+    step) from the forward, or travel again as in the forward (``kept`` empty)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    chunk = k.shape[2]
+    own = _span(shipped, rank, chunk)
+    grad_q = torch.zeros_like(q)
+    current, arriving = [k, v], []
+    for step in range(steps):
+        source = (rank - step) % size
+        pending = None
+        if not kept and step + 1 < steps:  # the next chunk travels while this one's gradients are computed
+            pending = _exchange(current if step else [t[:, :, own] for t in current], group,
+                                rows=_length(shipped, (source - 1) % size, chunk))
+        if kept and step:
+            current = kept[2 * step - 2 : 2 * step]
+        offset = _span(shipped, source, chunk).start if step else 0
+        grad_k, grad_v = tile_grads(q, current[0], current[1], scale, tiles_of(blocks[source]), out, lse, grad_out,
+                                    grad_q, offset)
+        if step == 0:
+            home = [grad_k, grad_v]
+        else:  # to rank `source` (step back); from rank + step, its share of this rank's shipped rows
+            arriving.append(_exchange([grad_k, grad_v], group, hops=-step, rows=own.stop - own.start))
+        if pending is not None:
+            current = _wait(pending)
+    for transfer in arriving:
+        for part, share in zip(home, _wait(transfer), strict=True):
+            part[:, :, own] += share
+    return grad_q, home[0], home[1]
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
