@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_turbo.checkpoint import init_weights, load_pretrained, save_pretrained
-from fsdp_turbo.core.testing import full_tensor, make_token_batches, shard_rows, train_steps
+from fsdp_turbo.core.testing import full_tensor, full_tensors, make_token_batches, shard_rows, train_steps
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm, to_expert_lists
 from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
@@ -48,9 +48,8 @@ BATCHES = make_token_batches(vocab_size=256, global_batch=8, seq_len=16, steps=3
 
 def _full_state(model) -> dict[str, torch.Tensor]:
     # Every rank gathers (a collective); rank 0 keeps the result.
-    state = {k: full_tensor(v) for k, v in model.state_dict().items()}
-    buffers = {f"buffer:{k}": full_tensor(v) for k, v in model.named_buffers()}
-    return {**state, **buffers} if dist.get_rank() == 0 else {}
+    state = full_tensors({**model.state_dict(), **{f"buffer:{k}": v for k, v in model.named_buffers()}})
+    return state if dist.get_rank() == 0 else {}
 
 
 def load_then_save(kind: str, layout: str, checkpoint: str, out: str | None, model_kwargs: dict) -> dict:

@@ -6,7 +6,7 @@ import torch
 
 from fsdp_turbo.core.testing import TrainRecord, make_token_batches, shard_rows, train_steps
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm
-from fsdp_turbo.core.testing.parity import full_tensor, replay_steps
+from fsdp_turbo.core.testing.parity import full_tensors, replay_steps
 
 STEPS = 3
 BATCHES = make_token_batches(vocab_size=256, global_batch=8, seq_len=16, steps=STEPS)
@@ -28,7 +28,7 @@ def labelled_loss(model, ids):
 
 
 def _params(model) -> dict[str, torch.Tensor]:
-    return {name: full_tensor(p) for name, p in model.named_parameters()}
+    return full_tensors(dict(model.named_parameters()))
 
 
 def reference_run(kind="llama"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_turbo.core.testing import full_tensor, shard_rows
+from fsdp_turbo.core.testing import full_tensors, shard_rows
 from fsdp_turbo.core.testing.parity import causal_lm_loss
 
 
@@ -59,7 +59,7 @@ def ep_lora_resume(out: str, base: str) -> dict[str, object]:
         _step(model, optimizer, batch)
     saved = save_checkpoint(TrainingCheckpointer(device=device), out, "run-test", 2, model, optimizer, {}, keep=1)
     _step(model, optimizer, BATCHES[2])
-    trained = {n: full_tensor(p) for n, p in model.named_parameters() if p.requires_grad}
+    trained = full_tensors({n: p for n, p in model.named_parameters() if p.requires_grad})
     resumed, resumed_optimizer = _setup(config)
     with torch.no_grad():
         for p in resumed.parameters():
@@ -67,10 +67,10 @@ def ep_lora_resume(out: str, base: str) -> dict[str, object]:
                 p.add_(1.0)  # nothing of this survives a correct load
     load_checkpoint(saved, resumed, resumed_optimizer, device)
     _step(resumed, resumed_optimizer, BATCHES[2])
-    again = {n: full_tensor(p) for n, p in resumed.named_parameters() if p.requires_grad}
+    again = full_tensors({n: p for n, p in resumed.named_parameters() if p.requires_grad})
     placements = sorted({str(p.placements) for n, p in model.named_parameters() if "experts.lora_B" in n})
     save_pretrained(model, f"{out}/adapter")
     loaded = FSDPTurbo(config, _meta_moe_peft_model())
     load_pretrained(loaded, base, adapter=f"{out}/adapter")
-    adapters = {n: full_tensor(p) for n, p in loaded.named_parameters() if p.requires_grad}
+    adapters = full_tensors({n: p for n, p in loaded.named_parameters() if p.requires_grad})
     return {"trained": trained, "resumed": again, "lora_B placements": placements, "loaded": adapters}

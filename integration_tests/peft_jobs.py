@@ -236,7 +236,7 @@ def train_then_save(layout: str, out: str) -> dict:
     import torch.distributed as dist
 
     from fsdp_turbo.checkpoint import save_pretrained
-    from fsdp_turbo.core.testing import full_tensor
+    from fsdp_turbo.core.testing import full_tensors
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
     kind, lora, config = SAVE_LAYOUTS[layout]
@@ -245,7 +245,7 @@ def train_then_save(layout: str, out: str) -> dict:
     train_steps(model, [shard_rows(b, state.dp_rank, state.dp_size) for b in BATCHES])
     save_pretrained(model, f"{out}/adapter")
     save_pretrained(model, f"{out}/merged", merge_adapters=True)
-    full = {k: full_tensor(v) for k, v in model.state_dict().items()}
+    full = full_tensors(model.state_dict())
     logits = None if config.get("context_parallel_size", 1) > 1 else _logits(model)
     return {"state": full, "logits": logits} if dist.get_rank() == 0 else {}
 
@@ -255,7 +255,7 @@ def load_base_and_adapter(config: dict, base: str, adapter: str, out: str) -> di
     folder (then saved again); and one filled from the base alone (adapters initialised
     as PEFT does: init_lora_weights=True, so lora_B is zero)."""
     from fsdp_turbo.checkpoint import load_pretrained, save_pretrained
-    from fsdp_turbo.core.testing import full_tensor
+    from fsdp_turbo.core.testing import full_tensors
     from fsdp_turbo.fsdp_turbo import FSDPTurbo
 
     model = FSDPTurbo(config, meta_peft_model())
@@ -264,7 +264,7 @@ def load_base_and_adapter(config: dict, base: str, adapter: str, out: str) -> di
     save_pretrained(model, out)
     fresh = FSDPTurbo(config, meta_peft_model(init_lora_weights=True))
     load_pretrained(fresh, base)
-    adapters = {k: full_tensor(v) for k, v in fresh.state_dict().items() if ".lora_" in k}
+    adapters = full_tensors({k: v for k, v in fresh.state_dict().items() if ".lora_" in k})
     return {"logits": logits, "read": report.read_bytes, "total": report.checkpoint_bytes,
             "fresh_logits": _logits(fresh), "fresh_adapters": adapters}
 

@@ -10,7 +10,7 @@ import torch
 from titan_jobs import batches, logits_loss, titan_llama
 
 from fsdp_turbo.core.testing import TrainRecord, shard_rows, train_steps
-from fsdp_turbo.core.testing.parity import full_tensor
+from fsdp_turbo.core.testing.parity import full_tensors
 
 LR = 1e-2
 # MXFP8 by pattern on torchtitan's names: every Linear of the blocks, not the output head.
@@ -57,7 +57,7 @@ def mixed_precision_reference_run(shards: int, param_dtype: torch.dtype = torch.
         for name, p in params.items():
             p.grad = grads[name] / shards
         if step == 0:
-            record.grads = {name: full_tensor(p.grad) for name, p in params.items()}
+            record.grads = full_tensors({name: p.grad for name, p in params.items()})
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return record

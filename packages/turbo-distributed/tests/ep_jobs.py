@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import nn
 
-from fsdp_turbo.core.testing import TrainRecord, full_tensor, shard_rows, train_steps
+from fsdp_turbo.core.testing import TrainRecord, full_tensor, full_tensors, shard_rows, train_steps
 from fsdp_turbo.core.testing.models import tiny_hf_causal_lm, to_expert_lists
 
 
@@ -68,7 +68,7 @@ def accumulated_reference(kind, batches, shards, model_kwargs=None):
             total += float(loss)
         record.losses.append(total)
         if step == 0:
-            record.grads = {n: full_tensor(p.grad) for n, p in model.named_parameters()}
+            record.grads = full_tensors({n: p.grad for n, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return record

@@ -16,7 +16,7 @@ weights.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +64,48 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()
     return tensor.detach().to("cpu", torch.float32).clone()
+
+
+def full_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:func:`full_tensor` of each, DTensors alike gathered together: those of one shape, mesh,
+    placements and dtype (a model's layers' copies of one weight) are stacked and gathered
+    as one, so a record costs a collective per kind of tensor rather than per tensor (one
+    each cost a 2-rank launch of the new families a fifth of its CPU time: 6066 gathers).
+    The result is the same bits: a gather only copies."""
+    from torch.distributed.tensor import DTensor
+
+    alike: dict[tuple, list[str]] = {}
+    for name, tensor in tensors.items():
+        if isinstance(tensor, DTensor) and (placements := _stacked(tensor.placements)) is not None:
+            key = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride(), tensor.dtype)
+            alike.setdefault(key, []).append(name)
+    whole = {}
+    for (mesh, placements, shape, stride, _), names in alike.items():
+        if len(names) == 1:
+            continue
+        local = torch.stack([tensors[name].to_local().detach() for name in names])
+        stacked = DTensor.from_local(local, mesh, _stacked(placements), run_check=False,
+                                     shape=torch.Size((len(names), *shape)), stride=(shape.numel(), *stride))
+        whole.update(zip(names, full_tensor(stacked).unbind(0), strict=True))
+    return {name: whole[name].clone() if name in whole else full_tensor(tensor) for name, tensor in tensors.items()}
+
+
+def _stacked(placements: tuple) -> tuple | None:
+    """The placements of a stack of DTensors along a new first dimension (each sharded
+    dimension one further), or None for a placement this does not know."""
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+
+    moved = []
+    for placement in placements:
+        if type(placement) is Shard:
+            moved.append(Shard(placement.dim + 1))
+        elif type(placement) is _StridedShard:
+            moved.append(_StridedShard(placement.dim + 1, split_factor=placement.split_factor))
+        elif isinstance(placement, (Replicate, Partial)):
+            moved.append(placement)
+        else:
+            return None
+    return tuple(moved)
 
 
 def sqnr_db(reference: torch.Tensor, value: torch.Tensor) -> float:
@@ -118,7 +160,7 @@ def train_steps(
         loss.backward()
         record.losses.append(_world_mean(loss))
         if (step == 0 and record_grads) or record_params:
-            grads = {name: full_tensor(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+            grads = full_tensors({name: p.grad for name, p in model.named_parameters() if p.grad is not None})
             record.grads = record.grads or grads
             if record_params:
                 record.step_grads.append(grads)
@@ -144,15 +186,15 @@ def train_pipeline_steps(model: nn.Module, batches: Sequence[torch.Tensor], *, l
         shard = shard_rows(batch, state.dp_rank, state.dp_size)
         record.losses.append(_world_mean(runner.step(shard, shard.clone())))  # every rank: its shard's loss
         if step == 0:
-            record.grads = {name: full_tensor(p.grad) for part in runner.parts
-                            for name, p in part.named_parameters() if p.grad is not None}
+            record.grads = full_tensors({name: p.grad for part in runner.parts
+                                         for name, p in part.named_parameters() if p.grad is not None})
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return record
 
 
 def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: full_tensor(p) for name, p in model.named_parameters()}
+    return full_tensors(dict(model.named_parameters()))
 
 
 def replay_steps(
