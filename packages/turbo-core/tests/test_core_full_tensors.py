@@ -27,9 +27,10 @@ def _tensors() -> dict[str, torch.Tensor]:
                                            "d": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
     tensors = dict(model.named_parameters())
+    world = init_device_mesh("cpu", (4,))
     for index in range(2):
         tensors[f"replicated {index}"] = distribute_tensor(torch.randn(3, 5), mesh, [Replicate(), Replicate()])
-        tensors[f"rows over the world {index}"] = distribute_tensor(torch.randn(9, 2), mesh._flatten("world"), [Shard(0)])
+        tensors[f"rows over the world {index}"] = distribute_tensor(torch.randn(9, 2), world, [Shard(0)])
         # a partial sum: every rank's own part, summed by the gather
         part = torch.full((2, 3), float(torch.distributed.get_rank() + index))
         tensors[f"partial {index}"] = DTensor.from_local(part, mesh, [Partial(), Shard(1)], run_check=False,
