@@ -76,7 +76,7 @@ def full_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
     alike: dict[tuple, list[str]] = {}
     for name, tensor in tensors.items():
-        if isinstance(tensor, DTensor) and (placements := _stacked(tensor.placements)) is not None:
+        if isinstance(tensor, DTensor) and _stacked(tensor.placements) is not None:
             key = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride(), tensor.dtype)
             alike.setdefault(key, []).append(name)
     whole = {}

@@ -79,6 +79,15 @@ def _wait(pending: tuple[list[torch.Tensor], list]) -> list[torch.Tensor]:
     return received
 
 
+def _send_on(current: list[torch.Tensor], step: int, source: int, group: dist.ProcessGroup,
+             shipped: list[slice] | None) -> tuple[list[torch.Tensor], list]:
+    """Start passing the K/V held at ``step`` (from rank ``source``) on to the next rank, and
+    receiving the previous rank's: this rank's own chunk goes trimmed to its shipped rows."""
+    rank, size, chunk = dist.get_rank(group), dist.get_world_size(group), current[0].shape[2]
+    sending = current if step else [t[:, :, _span(shipped, rank, chunk)] for t in current]
+    return _exchange(sending, group, rows=_length(shipped, (source - 1) % size, chunk))
+
+
 def _span(shipped: list[slice] | None, source: int, rows: int) -> slice:
     return slice(0, rows) if shipped is None else shipped[source]
 
@@ -111,7 +120,6 @@ class RingAttention(torch.autograd.Function):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         steps, chunk = steps or size, k.shape[2]
         out, lse = start_partials(q, sinks)
-        own = _span(shipped, rank, chunk)
         current, kept = [k, v], []
         # every rank decides alike (its peers send it K/V in the backward or not): by the most any receives
         received = max(sum(_length(shipped, (member - step) % size, chunk) for step in range(1, steps))
@@ -120,8 +128,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(steps):
             source = (rank - step) % size
             if step + 1 < steps:  # the next chunk travels while this one is computed
-                sending = current if step else [t[:, :, own] for t in current]
-                pending = _exchange(sending, group, rows=_length(shipped, (source - 1) % size, chunk))
+                pending = _send_on(current, step, source, group, shipped)
             offset = _span(shipped, source, chunk).start if step else 0
             attend_tiles(q, current[0], current[1], scale, tiles_of(blocks[source]), out, lse, offset)
             if step + 1 < steps:
@@ -154,8 +161,7 @@ class RingAttention(torch.autograd.Function):
             # before the work that hides it is done.
             pending = None
             if step + 1 < steps:
-                pending = _exchange(current if step else [t[:, :, own] for t in current], group,
-                                    rows=_length(shipped, (source - 1) % size, chunk))
+                pending = _send_on(current, step, source, group, shipped)
             offset = _span(shipped, source, chunk).start if step else 0
             grad_k, grad_v = tile_grads(q, current[0], current[1], scale, tiles_of(blocks[source]), out, lse,
                                         grad_out, grad_q, offset)
@@ -199,8 +205,7 @@ def _shortened_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kept:
         source = (rank - step) % size
         pending = None
         if not kept and step + 1 < steps:  # the next chunk travels while this one's gradients are computed
-            pending = _exchange(current if step else [t[:, :, own] for t in current], group,
-                                rows=_length(shipped, (source - 1) % size, chunk))
+            pending = _send_on(current, step, source, group, shipped)
         if kept and step:
             current = kept[2 * step - 2 : 2 * step]
         offset = _span(shipped, source, chunk).start if step else 0
