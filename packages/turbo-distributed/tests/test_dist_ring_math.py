@@ -118,6 +118,50 @@ def test_the_cpu_flash_kernels_equal_the_portable_ones():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_the_cpu_kernels_mask_cache_follows_each_mask():
+    """The CPU kernels make a mask's additive form once and keep it while the mask lives: masks
+    made and dropped one after another (same shape, so a new one may take a dropped one's
+    address) each get their own numbers, and the cache empties as they go."""
+    import gc
+
+    from fsdp_turbo.distributed.context_parallel import ring_kernels
+
+    q, k, v, grad_out = _inputs(seq=8)
+    before = len(ring_kernels._BIASES)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        mask = torch.rand(2, 1, 8, 8, generator=generator) < 0.5
+        mask[..., 0] = True  # every row sees a key
+        for _ in range(2):  # the second call reads the cache
+            out, lse = ring_kernels.cpu_flash_forward(q, k, v, 0.3, mask)
+            want_out, want_lse = block_attention(q, k, v, 0.3, mask)
+            torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
+            for got, want in zip(ring_kernels.cpu_flash_backward(q, k, v, 0.3, mask, want_out, want_lse, grad_out),
+                                 block_grads(q, k, v, 0.3, mask, want_out, want_lse, grad_out), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        del mask
+        gc.collect()
+        assert len(ring_kernels._BIASES) == before
+
+
+def test_merging_into_a_view_writes_the_pure_merge():
+    """The ring merges each tile into its rows of the running output in place: the same numbers
+    as ``merge``, the other rows untouched."""
+    from fsdp_turbo.distributed.context_parallel.ring_math import merge_into
+
+    q, k, v, _ = _inputs(seq=8)
+    out, lse = block_attention(q, k, v, 0.5, visible(torch.arange(8), torch.arange(8)))
+    block_out, block_lse = block_attention(q[:, :, 2:6], k, v, 0.5, None)
+    want_out, want_lse = merge(out[:, :, 2:6], lse[:, :, 2:6], block_out, block_lse)
+    running_out, running_lse = out.clone(), lse.clone()
+    merge_into(running_out[:, :, 2:6], running_lse[:, :, 2:6], block_out, block_lse)
+    torch.testing.assert_close(running_out[:, :, 2:6], want_out, rtol=0, atol=1e-6)
+    assert running_lse[:, :, 2:6].equal(want_lse)
+    rest = [0, 1, 6, 7]
+    assert running_out[:, :, rest].equal(out[:, :, rest]) and running_lse[:, :, rest].equal(lse[:, :, rest])
+
+
 def _gqa_paths() -> list[bool]:
     # natively where this torch's CPU flash kernels take GQA, and on copies everywhere
     from fsdp_turbo.distributed.context_parallel.ring_kernels import NATIVE_GQA

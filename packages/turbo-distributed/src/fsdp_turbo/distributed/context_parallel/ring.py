@@ -53,7 +53,7 @@ from fsdp_turbo.distributed.context_parallel.ring_kernels import (
     start_partials,
     tile_grads,
 )
-from fsdp_turbo.distributed.context_parallel.ring_math import sink_grad, to_width
+from fsdp_turbo.distributed.context_parallel.ring_math import cut_to, sink_grad, to_width
 
 
 def _exchange(tensors: list[torch.Tensor], group: dist.ProcessGroup, hops: int = 1, rows: int | None = None
@@ -305,7 +305,7 @@ def ring_core(state) -> Any:
             out = kv_allgather_attention(q, k, v, scale, tiles, state.ring_group, sinks=sinks, entries=entries)
         else:
             out = ring_attention(q, k, v, scale, tiles, state.ring_group, sinks=sinks, steps=steps, shipped=shipped)
-        return out[..., :value_width].to(query.dtype).transpose(1, 2).contiguous(), None
+        return cut_to(out, value_width).to(query.dtype).transpose(1, 2).contiguous(), None
 
     return attention
 

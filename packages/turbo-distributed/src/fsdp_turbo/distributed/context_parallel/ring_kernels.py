@@ -18,10 +18,12 @@ ring and the KV all-gather differ only in how the keys and values arrive.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from fsdp_turbo.core.ops import call_op, register_op
-from fsdp_turbo.distributed.context_parallel.ring_math import block_attention, block_grads, merge
+from fsdp_turbo.distributed.context_parallel.ring_math import block_attention, block_grads, merge_into
 
 FORWARD = "cp.ring_block_forward"
 BACKWARD = "cp.ring_block_backward"
@@ -78,10 +80,22 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    if mask is None:
-        return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+# (id(mask), dtype) -> (additive mask, rows that see nothing or None), while the mask lives
+_BIASES: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+
+def _bias(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A tile's mask as the CPU kernels take it (additive, of the queries' dtype) and its rows
+    that see no key (None: every row sees one). Made once per mask, not on every call forward
+    and backward: tiles live in block maps that every layer and step reuses. The entry goes
+    with the mask."""
+    key = (id(mask), dtype)
+    if key not in _BIASES:
+        blind = ~mask.any(-1)  # [B or 1, 1, Sq]
+        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+        _BIASES[key] = additive, blind if bool(blind.any()) else None
+        weakref.finalize(mask, _BIASES.pop, key, None)
+    return _BIASES[key]
 
 
 @register_op(FORWARD, "cpu")
@@ -89,10 +103,10 @@ def cpu_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                       mask: torch.Tensor | None, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     groups = 1 if NATIVE_GQA else _groups(q, k)
     q, k, v = _rows(q), _rows(expand(k, groups)), _rows(expand(v, groups))
+    additive, blind = (None, None) if mask is None else _bias(mask, q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale)
-    blind = None if mask is None else ~mask.any(-1)  # [B or 1, 1, Sq]: rows that see nothing here
-    if blind is not None and bool(blind.any()):  # (most masked tiles have none: no copies of their output)
+        q, k, v, 0.0, causal, attn_mask=additive, scale=scale)
+    if blind is not None:  # (most masked tiles have none: no copies of their output)
         lse = lse.masked_fill(blind, float("-inf"))
         out = out.masked_fill(blind[..., None], 0.0)
     return out, lse
@@ -106,7 +120,8 @@ def cpu_flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     k, v = expand(k, groups), expand(v, groups)
     grad_out, q, k, v, out, lse = (_rows(t) for t in (grad_out, q, k, v, out, lse))
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale)
+        grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=None if mask is None else _bias(mask, q.dtype)[0],
+        scale=scale)
     return grads[0], fold(grads[1], groups), fold(grads[2], groups)
 
 
@@ -153,8 +168,7 @@ def attend_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         flip = _flip if tile.reverse else _same
         block_out, block_lse = call_op(FORWARD, q.device.type, flip(q[:, :, tile.q]), flip(k[:, :, rows]),
                                        flip(v[:, :, rows]), scale, tile.mask, tile.causal)
-        block_out, block_lse = flip(block_out), flip(block_lse, -1)
-        out[:, :, tile.q], lse[:, :, tile.q] = merge(out[:, :, tile.q], lse[:, :, tile.q], block_out, block_lse)
+        merge_into(out[:, :, tile.q], lse[:, :, tile.q], flip(block_out), flip(block_lse, -1))
 
 
 def tile_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, tiles: list, out: torch.Tensor,

@@ -55,6 +55,12 @@ def to_width(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
 
 
+def cut_to(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` cut to ``width`` on its last dimension (``to_width``'s way back); ``t`` itself where
+    it is that wide: a slice, even a whole one, costs its backward a zero-filled copy of ``t``."""
+    return t if t.shape[-1] == width else t[..., :width]
+
+
 def visible(q_positions: torch.Tensor, k_positions: torch.Tensor,
             q_documents: torch.Tensor | None = None, k_documents: torch.Tensor | None = None,
             window: int | None = None) -> torch.Tensor:
@@ -96,11 +102,20 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two partial attentions of the same queries as one."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    base = _finite(lse)
-    scale_a = torch.exp(lse_a - base).nan_to_num(0.0)[..., None]
-    scale_b = torch.exp(lse_b - base).nan_to_num(0.0)[..., None]
-    return scale_a * out_a + scale_b * out_b, lse
+    out, lse = out_a.clone(), lse_a.clone()
+    merge_into(out, lse, out_b, lse_b)
+    return out, lse
+
+
+def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """``merge`` written into the running partials ``out`` and ``lse`` (views of a rank's whole
+    output, one tile's rows): a block costs no new output-sized tensors and no copy back, which
+    the ring pays once per tile."""
+    merged = torch.logaddexp(lse, block_lse)
+    base = _finite(merged)
+    out.mul_(torch.exp(lse - base).nan_to_num_(0.0)[..., None])
+    out.addcmul_(block_out, torch.exp(block_lse - base).nan_to_num_(0.0)[..., None])
+    lse.copy_(merged)
 
 
 def block_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,

@@ -27,7 +27,7 @@ from fsdp_turbo.core.hf import attention_function
 from fsdp_turbo.distributed.context_parallel.all_to_all import heads_to_sequence, sequence_to_heads
 from fsdp_turbo.distributed.context_parallel.context import CPState
 from fsdp_turbo.distributed.context_parallel.layer_masks import rescale_queries
-from fsdp_turbo.distributed.context_parallel.ring_math import to_width
+from fsdp_turbo.distributed.context_parallel.ring_math import cut_to, to_width
 from fsdp_turbo.distributed.context_parallel.sparse import gather_rows, gather_sequence, picked
 
 
@@ -153,7 +153,7 @@ def ulysses_hf_attention(state: CPState, inner: str, core: Callable[..., Any] | 
         per_rank = torch.cat([t.unflatten(1, (cp, -1)) for t in qkv.split([heads, kv_heads, kv_heads], 1)], 2)
         gathered = sequence_to_heads(per_rank.flatten(1, 2), group, cp)
         q, k, v = gathered.split(parts, dim=1)
-        q, k, v = q[..., :qk_width], k[..., :qk_width], v[..., :value_width]
+        q, k, v = cut_to(q, qk_width), cut_to(k, qk_width), cut_to(v, value_width)
         if entries is not None:
             my_kv = slice(state.ulysses_rank * parts[1], (state.ulysses_rank + 1) * parts[1])
             k, v = (torch.cat([x, replicate_kv(e, kv_heads)[:, my_kv]], dim=2) for x, e in ((k, entries[0]),
