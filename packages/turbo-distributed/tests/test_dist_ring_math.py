@@ -118,31 +118,35 @@ def test_the_cpu_flash_kernels_equal_the_portable_ones():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_the_cpu_kernels_mask_cache_follows_each_mask():
-    """The CPU kernels make a mask's additive form once and keep it while the mask lives: masks
-    made and dropped one after another (same shape, so a new one may take a dropped one's
-    address) each get their own numbers, and the cache empties as they go."""
+def test_the_cpu_kernels_blind_rows_follow_each_mask():
+    """The CPU kernels find a mask's rows that see no key once and keep them while the mask
+    lives: pairs of masks of one shape, alive at once, one of them with a row that sees
+    nothing, made and dropped one pair after another (so a new one may take a dropped one's
+    address), each get their own numbers, and the record empties as they go."""
     import gc
 
     from fsdp_turbo.distributed.context_parallel import ring_kernels
 
     q, k, v, grad_out = _inputs(seq=8)
-    before = len(ring_kernels._BIASES)
+    before = len(ring_kernels._BLIND)
     generator = torch.Generator().manual_seed(3)
-    for _ in range(6):
-        mask = torch.rand(2, 1, 8, 8, generator=generator) < 0.5
-        mask[..., 0] = True  # every row sees a key
-        for _ in range(2):  # the second call reads the cache
+    final_out, final_lse = block_attention(q, k, v, 0.3, None)
+    for _ in range(3):
+        masks = [torch.rand(2, 1, 8, 8, generator=generator) < 0.5 for _ in range(2)]
+        for index, mask in enumerate(masks):
+            mask[..., 0] = True  # every row sees a key, but
+            mask[0, 0, 5] = index == 0  # in one of the two masks alive at once one row sees nothing
+        for mask in masks * 2:  # the second round reads the record
             out, lse = ring_kernels.cpu_flash_forward(q, k, v, 0.3, mask)
             want_out, want_lse = block_attention(q, k, v, 0.3, mask)
             torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
-            for got, want in zip(ring_kernels.cpu_flash_backward(q, k, v, 0.3, mask, want_out, want_lse, grad_out),
-                                 block_grads(q, k, v, 0.3, mask, want_out, want_lse, grad_out), strict=True):
+            torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)  # -inf on the blind row
+            for got, want in zip(ring_kernels.cpu_flash_backward(q, k, v, 0.3, mask, final_out, final_lse, grad_out),
+                                 block_grads(q, k, v, 0.3, mask, final_out, final_lse, grad_out), strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        del mask
+        del mask, masks
         gc.collect()
-        assert len(ring_kernels._BIASES) == before
+        assert len(ring_kernels._BLIND) == before
 
 
 def test_merging_into_a_view_writes_the_pure_merge():

@@ -80,22 +80,28 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-# (id(mask), dtype) -> (additive mask, rows that see nothing or None), while the mask lives
-_BIASES: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor | None]] = {}
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tile's mask as the CPU kernels take it: additive, of the queries' dtype. Made on each
+    call, not kept: it is four times the boolean mask, and the block maps keep theirs for as
+    many layouts as ``ring.BLOCK_MAPS_KEPT`` (one ``where``: half the time of filling zeros)."""
+    additive = torch.where(mask, 0.0, float("-inf"))
+    return additive if additive.dtype == dtype else additive.to(dtype)
 
 
-def _bias(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A tile's mask as the CPU kernels take it (additive, of the queries' dtype) and its rows
-    that see no key (None: every row sees one). Made once per mask, not on every call forward
-    and backward: tiles live in block maps that every layer and step reuses. The entry goes
-    with the mask."""
-    key = (id(mask), dtype)
-    if key not in _BIASES:
-        blind = ~mask.any(-1)  # [B or 1, 1, Sq]
-        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-        _BIASES[key] = additive, blind if bool(blind.any()) else None
-        weakref.finalize(mask, _BIASES.pop, key, None)
-    return _BIASES[key]
+# id(mask) -> its rows that see no key ([B or 1, 1, Sq]), or None where every row sees one
+_BLIND: dict[int, torch.Tensor | None] = {}
+
+
+def _blind_rows(mask: torch.Tensor) -> torch.Tensor | None:
+    """The rows of a tile's mask that see no key, or None: found once per mask (a reduction
+    and a check of it on every forward call cost as much as making the additive mask), kept
+    while the mask lives (tiles live in block maps that every layer and step reuses)."""
+    key = id(mask)
+    if key not in _BLIND:
+        blind = ~mask.any(-1)
+        _BLIND[key] = blind if bool(blind.any()) else None
+        weakref.finalize(mask, _BLIND.pop, key, None)
+    return _BLIND[key]
 
 
 @register_op(FORWARD, "cpu")
@@ -103,9 +109,9 @@ def cpu_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                       mask: torch.Tensor | None, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     groups = 1 if NATIVE_GQA else _groups(q, k)
     q, k, v = _rows(q), _rows(expand(k, groups)), _rows(expand(v, groups))
-    additive, blind = (None, None) if mask is None else _bias(mask, q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=additive, scale=scale)
+        q, k, v, 0.0, causal, attn_mask=None if mask is None else _additive(mask, q.dtype), scale=scale)
+    blind = None if mask is None else _blind_rows(mask)
     if blind is not None:  # (most masked tiles have none: no copies of their output)
         lse = lse.masked_fill(blind, float("-inf"))
         out = out.masked_fill(blind[..., None], 0.0)
@@ -120,7 +126,7 @@ def cpu_flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     k, v = expand(k, groups), expand(v, groups)
     grad_out, q, k, v, out, lse = (_rows(t) for t in (grad_out, q, k, v, out, lse))
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=None if mask is None else _bias(mask, q.dtype)[0],
+        grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=None if mask is None else _additive(mask, q.dtype),
         scale=scale)
     return grads[0], fold(grads[1], groups), fold(grads[2], groups)
 
